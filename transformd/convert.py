@@ -1,0 +1,77 @@
+"""Tensor-level entry point: validate one MXFP8 weight and convert it on a device.
+
+Picks the fused Triton kernel on a GPU and the PyTorch reference on the CPU;
+both give the same bytes. 3-D expert tensors go to the GPU in chunks of whole
+experts, so device memory stays bounded whatever the tensor's size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import MxFormatError, ScaleMode, Target, as_codes, check_pair_shapes, find_value_problem
+from .kernels import convert_triton
+from .reference import convert_reference
+
+#: Largest slice of a weight (input code bytes) sent to the GPU at once.
+DEFAULT_CHUNK_BYTES = 1 << 30
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``auto`` (or None) -> the current CUDA/ROCm device when there is one, else the CPU."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but PyTorch sees no GPU")
+    return device
+
+
+def convert_weight(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    target: Target | str = Target.FNUZ,
+    scale_mode: ScaleMode | str = ScaleMode.EXACT,
+    device: str | torch.device | None = "auto",
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate and convert one MXFP8 weight ([N, K] or [E, N, K]).
+
+    Returns ``(codes, scale_inv)`` on the input's device: codes as
+    ``float8_e4m3fnuz`` (target ``fnuz``) or ``float8_e4m3fn`` (``ocp``), scale_inv
+    float32 ``[..., ceil(N/128), ceil(K/128)]``. Raises :class:`MxFormatError`
+    for input that breaks the MXFP8 contract.
+    """
+    target, scale_mode = Target(target), ScaleMode(scale_mode)
+    codes, scales = as_codes(codes), as_codes(scales)
+    check_pair_shapes(codes, scales)
+    dev = resolve_device(device)
+    if dev.type == "cpu" or codes.numel() == 0:
+        problem = find_value_problem(codes, scales)
+        if problem:
+            raise MxFormatError(problem)
+        q, s = convert_reference(codes.cpu(), scales.cpu(), target, scale_mode)
+    elif codes.dim() == 2 or codes.device == dev:
+        q, s = convert_triton(codes.to(dev), scales.to(dev), target, scale_mode)
+    else:
+        q, s = _convert_chunked(codes, scales, target, scale_mode, dev, chunk_bytes)
+    return q.to(codes.device).view(target.torch_dtype), s.to(codes.device)
+
+
+def _convert_chunked(codes, scales, target, scale_mode, dev, chunk_bytes):
+    """[E, N, K] host tensors -> GPU in chunks of whole experts -> host."""
+    e = codes.shape[0]
+    per_expert = max(1, codes[0].numel())
+    step = max(1, chunk_bytes // per_expert)
+    out_codes = torch.empty_like(codes)
+    out_scales = []
+    for start in range(0, e, step):
+        stop = min(e, start + step)
+        try:
+            q, s = convert_triton(codes[start:stop].to(dev), scales[start:stop].to(dev), target, scale_mode)
+        except MxFormatError as err:
+            raise MxFormatError(f"{err.problem} (in experts {start}..{stop - 1})") from None
+        out_codes[start:stop].copy_(q)
+        out_scales.append(s.cpu())
+    return out_codes, torch.cat(out_scales)
