@@ -154,6 +154,25 @@ def _mx_to_block_fp8_kernel(
     tl.store(status_ptr + tile, status)
 
 
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, n, NATIVE_FP8: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    if NATIVE_FP8:
+        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        code = _e4m3fn_magnitude(y)
+    tl.store(out_ptr + offs, code.to(tl.uint8), mask=offs < n)
+
+
+def round_to_e4m3fn(x: torch.Tensor, *, native_fp8: bool = False) -> torch.Tensor:
+    """The kernel's float32 -> e4m3fn rounding on its own, for 0 <= x < 464 (uint8 codes); for tests."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), NATIVE_FP8=native_fp8, BLOCK=1024)
+    return out
+
+
 def native_fp8_default(device: torch.device) -> bool:
     """Use the hardware e4m3 conversion where it is known to round like the reference.
 

@@ -1,0 +1,214 @@
+"""Kernel benchmark and on-device validation (run on a GPU machine).
+
+One run prints, for each layer shape:
+  * bit-exactness of every Triton variant against the PyTorch reference on the whole tensor,
+  * elements/s and GB/s of the Triton kernel (bytes read + written), the device's own
+    copy bandwidth for the same bytes, the PyTorch reference, and vLLM PR #45726's
+    per-expert PyTorch path, all measured side by side in this one process;
+and then the block-scaled FP8 matmul check of the converted weights (target ocp).
+
+    python benchmarks/kernel_bench.py [--quick] [--json results.json]
+
+``--smoke`` runs tiny shapes on the CPU (Triton interpreter) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # must precede the first import of triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.oracles import pr45726_convert  # noqa: E402
+from transformd.formats import tile_grid  # noqa: E402
+from transformd.kernels import convert_triton  # noqa: E402
+from transformd.reference import convert_reference, dequantize_block, dequantize_mx  # noqa: E402
+
+SHAPES = {"E128 4096x7168": (128, 4096, 7168), "E128 7168x2048": (128, 7168, 2048), "E16 3072x3072": (16, 3072, 3072)}
+QUICK_SHAPES = {"E8 4096x7168": (8, 4096, 7168), "E16 3072x3072": (16, 3072, 3072)}
+SMOKE_SHAPES = {"E2 256x320": (2, 256, 320)}
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_mx(e, n, k, device, seed=0):
+    """Valid MXFP8 data with realistic E8M0 bytes, made on the device."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randint(0, 256, (e, n, k), dtype=torch.uint8, device=device, generator=g)
+    q[(q & 0x7F) == 0x7F] -= 1
+    s = torch.randint(112, 136, (e, n, k // 32), dtype=torch.uint8, device=device, generator=g)
+    return q, s
+
+
+def bench_ms(fn) -> float:
+    if DEV.type != "cuda":
+        return wall_ms(fn, reps=1)
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
+def wall_ms(fn, reps=2) -> float:
+    """Whole-call wall time for the slow PyTorch paths (they launch many kernels)."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, (time.perf_counter() - t) * 1e3)
+    return best
+
+
+def same(a, b) -> bool:
+    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(
+        a[1].view(torch.int32), b[1].view(torch.int32)
+    )
+
+
+def run_shape(name, e, n, k, args, rows, checks):
+    dev = DEV
+    q, s = random_mx(e, n, k, dev)
+    numel = q.numel()
+    nt, kt = tile_grid(n, k)
+    moved = numel + s.numel() + numel + e * nt * kt * 8  # read codes+scales, write codes+scale+status
+    src = torch.empty(numel, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    copy_gbs = 2 * numel / copy_ms / 1e6
+    del src, dst
+    rows.append((name, "device copy (same bytes)", copy_ms, numel / copy_ms / 1e6, copy_gbs, 1.0, None))
+    pr_ms = wall_ms(lambda: pr45726_convert(q.view(torch.float8_e4m3fn), s, fnuz=True), reps=1)
+
+    for mode in ("exact", "amax"):
+        ref = convert_reference(q, s, "fnuz", mode)
+        ref_ms = wall_ms(lambda: convert_reference(q, s, "fnuz", mode), reps=1)
+        if mode == "amax":
+            pr = pr45726_convert(q.view(torch.float8_e4m3fn), s, fnuz=True)
+            checks.append((name, mode, "PR #45726 path == reference", same(pr, ref)))
+            del pr
+        natives = (False, True) if DEV.type == "cuda" else (False,)
+        variants = [(native, w) for native in natives for w in (4, 8, 16)]
+        out = (torch.empty_like(q), torch.empty((e, nt, kt), dtype=torch.float32, device=dev))
+        for native, warps in variants:
+            got = convert_triton(q, s, "fnuz", mode, native_fp8=native, num_warps=warps)
+            checks.append((name, mode, f"triton {'native' if native else 'int'} w{warps} == reference", same(got, ref)))
+            del got
+            ms = bench_ms(lambda: convert_triton(q, s, "fnuz", mode, native_fp8=native, num_warps=warps, out=out, check=False))
+            label = f"triton {mode} {'native-cvt' if native else 'int-round'} warps={warps}"
+            rows.append((name, label, ms, numel / ms / 1e6, moved / ms / 1e6, moved / ms / 1e6 / copy_gbs, pr_ms / ms))
+        for target in ("ocp",):
+            got = convert_triton(q, s, target, mode)
+            checks.append((name, mode, f"triton default, target {target} == reference", same(got, convert_reference(q, s, target, mode))))
+            del got
+        rows.append((name, f"pytorch reference {mode}", ref_ms, numel / ref_ms / 1e6, None, None, pr_ms / ref_ms))
+        del ref
+    rows.append((name, "PR #45726 per-expert path (amax)", pr_ms, numel / pr_ms / 1e6, None, None, 1.0))
+    del q, s, out
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def quantize_activations_1x128(x: torch.Tensor):
+    """Dynamic per-token, per-128-column FP8 quantization (what block-FP8 engines do)."""
+    m, k = x.shape
+    g = x.float().view(m, k // 128, 128)
+    amax = g.abs().amax(-1).clamp(min=1e-12)
+    scale = amax / 448.0
+    xq = (g / scale[..., None]).to(torch.float8_e4m3fn).view(m, k)
+    return xq, scale
+
+
+def blockscaled_matmul(xq, sx, wq, sw):
+    """Y = X W^T with 1x128 activation groups and 128x128 weight tiles.
+
+    Tries PyTorch's block-scaled _scaled_mm (cuBLAS on Hopper); falls back to the
+    same arithmetic in float32 (dequantize both FP8 operands, then matmul).
+    """
+    try:
+        y = torch._scaled_mm(
+            xq, wq.t(), scale_a=sx.t().contiguous().t(), scale_b=sw.t().contiguous(), out_dtype=torch.bfloat16
+        )
+        return y.float(), "torch._scaled_mm blockwise"
+    except Exception as err:  # noqa: BLE001 - report which path ran
+        m, k = xq.shape
+        xd = (xq.float().view(m, k // 128, 128) * sx[..., None]).view(m, k)
+        wd = dequantize_block(wq.view(torch.uint8), sw, "ocp")
+        return xd @ wd.t(), f"fp32 emulation ({type(err).__name__})"
+
+
+def matmul_check(results, n=4096, k=7168, m=512):
+    dev = DEV
+    # Realistic weights: MX-quantize a Gaussian matrix (shared exponent per 32 from the block amax).
+    w = torch.randn(n, k, device=dev) * 0.02
+    blocks = w.view(n, k // 32, 32)
+    exp = torch.floor(torch.log2(blocks.abs().amax(-1))) - 8
+    q2 = (blocks / torch.exp2(exp)[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, k)
+    q, s = q2.view(torch.uint8), (exp + 127).to(torch.uint8)
+    w_dec = dequantize_mx(q, s)
+    x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    y_ref = (x @ w_dec.to(torch.bfloat16).t()).float()
+    xq, sx = quantize_activations_1x128(x)
+    xd = (xq.float().view(m, k // 128, 128) * sx[..., None]).view(m, k)
+    y_act = xd @ w_dec.t()  # activation quantization alone, exact weights
+
+    def rel(y):
+        return float((y - y_ref).norm() / y_ref.norm())
+
+    results["matmul"] = {"shape": [m, n, k], "activation_quant_only_rel_err": rel(y_act)}
+    for mode in ("exact", "amax"):
+        wq, sw = convert_triton(q, s, "ocp", mode)
+        y, path = blockscaled_matmul(xq, sx, wq.view(torch.float8_e4m3fn), sw)
+        y_emul = xd @ dequantize_block(wq, sw, "ocp").t()
+        results["matmul"][mode] = {"path": path, "rel_err": rel(y), "rel_err_fp32_emulation": rel(y_emul)}
+        w_err = float((dequantize_block(wq, sw, "ocp") - w_dec).norm() / w_dec.norm())
+        results["matmul"][mode]["weight_rel_l2"] = w_err
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller shapes")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to test this script")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if DEV.type != "cuda" and not args.smoke:
+        print("no GPU: this benchmark needs one (--smoke checks the script on the CPU)", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name() if DEV.type == "cuda" else "CPU (Triton interpreter)"
+    print(f"# {gpu} | torch {torch.__version__} | triton {triton.__version__}")
+    rows, checks, results = [], [], {}
+    shapes = SMOKE_SHAPES if args.smoke else QUICK_SHAPES if args.quick else SHAPES
+    for name, (e, n, k) in shapes.items():
+        run_shape(name, e, n, k, args, rows, checks)
+    matmul_check(results, *((256, 512, 64) if args.smoke else ()))
+
+    print(f"\n{'shape':<16} {'variant':<44} {'ms':>9} {'G elem/s':>9} {'GB/s':>7} {'of copy':>8} {'x PR path':>9}")
+    for name, label, ms, ges, gbs, frac, speed in rows:
+        f = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+        print(f"{name:<16} {label:<44} {ms:9.3f} {ges:9.1f} {f(gbs, '7.0f'):>7} {f(frac and frac * 100, '7.1f') + '%' if frac else '-':>8} {f(speed, '9.1f'):>9}")
+    print("\nbit-exactness on the whole tensors:")
+    for name, mode, what, ok in checks:
+        print(f"  {'OK  ' if ok else 'FAIL'} {name:<16} {mode:<6} {what}")
+    print("\nblock-scaled FP8 matmul with converted weights (target ocp), rel. Frobenius error vs BF16 matmul:")
+    print(json.dumps(results["matmul"], indent=2))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "checks": checks, **results}, indent=2))
+    return 0 if all(ok for *_, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The reference against independent oracles, and the Triton kernel against the reference, bit for bit.
+
+On a machine without a GPU the kernel runs in Triton's interpreter (conftest.py);
+on a GPU the same tests run the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from transformd import MxFormatError, convert_weight, dequantize_block, dequantize_mx, validate_pair
+from transformd.kernels import convert_triton, round_to_e4m3fn
+from transformd.reference import convert_reference
+
+from .oracles import numpy_oracle, pr45726_convert
+
+MODES = ["exact", "amax"]
+TARGETS = ["fnuz", "ocp"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (E, N, K): whole tiles, partial tiles on both axes, a single row, K = 32.
+SHAPES = [(1, 128, 128), (2, 200, 160), (3, 130, 96), (1, 1, 32), (2, 257, 416)]
+
+
+def random_mx(shape, lo=112, hi=140, seed=0):
+    """Random valid MXFP8 data: every non-NaN code, E8M0 bytes in [lo, hi)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    q[(q & 0x7F) == 0x7F] -= 1  # NaN codes -> 0x7E / 0xFE
+    s = torch.randint(lo, hi, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8, generator=g)
+    return q, s
+
+
+def awkward_cases():
+    """Inputs at the edges of the contract: name -> (codes [E, N, K], scales)."""
+    cases = {}
+    q, s = random_mx((2, 160, 192), seed=1)
+    cases["negative zeros"] = (torch.where(q < 0x90, torch.full_like(q, 0x80), q), s)
+    cases["all zero with -0"] = (torch.full((1, 130, 160), 0x80, dtype=torch.uint8), s[:1, :130, :5])
+    sub = torch.randint(0, 8, (1, 140, 160), dtype=torch.uint8) | (torch.randint(0, 2, (1, 140, 160)) * 0x80).to(
+        torch.uint8
+    )
+    cases["subnormal codes only"] = (sub, torch.full((1, 140, 5), 127, dtype=torch.uint8))
+    q, _ = random_mx((1, 200, 256), seed=2)
+    cases["tiny scales 0..3"] = (q, torch.randint(0, 4, (1, 200, 8), dtype=torch.uint8))
+    cases["huge scales, small codes"] = (q & 0x9F, torch.randint(240, 255, (1, 200, 8), dtype=torch.uint8))
+    # One tile mixing the largest and smallest scales: most elements underflow to (signed) zero.
+    # Codes below 2.0 keep even 2**127 finite in float32.
+    s = torch.tensor([0, 1, 2, 250, 253, 254], dtype=torch.uint8)[torch.randint(0, 6, (1, 128, 4))]
+    cases["mixed extreme scales"] = (q[:, :128, :128] & 0xBF, s)
+    one = torch.zeros((1, 129, 129 // 32 * 32 + 32), dtype=torch.uint8)
+    one[0, 128, 0] = 0xFE  # the only nonzero element sits alone in a partial tile
+    cases["single element in partial tile"] = (one, torch.full((1, 129, one.shape[-1] // 32), 130, dtype=torch.uint8))
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    every = every[(every & 0x7F) != 0x7F].repeat(128 * 128 // 254 + 1)[: 128 * 128].view(1, 128, 128)
+    cases["every code, scale 2**0"] = (every, torch.full((1, 128, 4), 127, dtype=torch.uint8))
+    cases["every code, mixed scales"] = (every, torch.randint(100, 150, (1, 128, 4), dtype=torch.uint8))
+    return cases
+
+
+AWKWARD = awkward_cases()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
+
+
+def assert_same(got, want):
+    (gq, gs), (wq, ws) = got, want
+    assert same_bits(gq, wq), f"codes differ at {int((gq.cpu().view(torch.uint8) != wq.cpu().view(torch.uint8)).sum())} places"
+    assert same_bits(gs, ws), "scales differ"
+
+
+# --- reference vs independent oracles ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", ["random", *AWKWARD])
+def test_reference_matches_numpy_oracle(case, target, mode):
+    q, s = random_mx((2, 257, 416), seed=3) if case == "random" else AWKWARD[case]
+    got_q, got_s = convert_reference(q, s, target, mode)
+    for i in range(q.shape[0]):
+        want_q, want_s = numpy_oracle(q[i].numpy(), s[i].numpy(), target, mode)
+        np.testing.assert_array_equal(got_q[i].numpy(), want_q)
+        np.testing.assert_array_equal(got_s[i].numpy().view(np.uint32), want_s.view(np.uint32))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_amax_mode_matches_pr45726_path(shape, target):
+    q, s = random_mx(shape, lo=100, hi=150, seed=4)
+    got_q, got_s = convert_reference(q, s, target, "amax")
+    want_q, want_s = pr45726_convert(q.view(torch.float8_e4m3fn), s, fnuz=target == "fnuz")
+    assert_same((got_q, got_s), (want_q, want_s))
+
+
+def test_fnuz_normalization_of_all_256_codes():
+    """FNUZ reinterpretation: every finite e4m3fn code means half its value in FNUZ, -0 becomes +0."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = (codes & 0x7F) != 0x7F
+    fn = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    fnuz_codes = torch.where(codes == 0x80, torch.zeros_like(codes), codes)
+    fnuz = fnuz_codes.view(torch.float8_e4m3fnuz).to(torch.float32)
+    assert torch.equal(fnuz[finite] * 2, fn[finite].abs() * torch.sign(fn[finite]) + 0.0)
+    # ml_dtypes agrees, and no finite code turns into FNUZ NaN (0x80).
+    ml = fnuz_codes.numpy().view(ml_dtypes.float8_e4m3fnuz).astype(np.float32)
+    np.testing.assert_array_equal(ml[finite.numpy()] * 2, fn[finite].numpy() + 0.0)
+    assert not np.isnan(ml[finite.numpy()]).any()
+    # Through the converter: one tile holding every finite code at scale 2**0 is reproduced exactly.
+    q, s = AWKWARD["every code, scale 2**0"]
+    for target in TARGETS:
+        out_q, out_s = convert_reference(q, s, target, "exact")
+        assert torch.equal(dequantize_block(out_q, out_s, target), dequantize_mx(q, s) + 0.0)
+        assert not (out_q == 0x80).any() or target == "ocp"
+
+
+def test_exact_mode_is_lossless_above_e4m3_normal_range():
+    q, s = random_mx((2, 257, 416), lo=120, hi=135, seed=5)
+    v = dequantize_mx(q, s)
+    out_q, out_s = convert_reference(q, s, "fnuz", "exact")
+    back = dequantize_block(out_q, out_s, "fnuz")
+    scale = out_s.repeat_interleave(128, -2)[..., :257, :].repeat_interleave(128, -1)[..., :416] / 2
+    normal = v.abs() >= scale * 2.0**-6  # values that stay in e4m3fn's normal range after scaling
+    assert normal.float().mean() > 0.5
+    assert torch.equal(back[normal], v[normal])
+
+
+# --- Triton kernel vs reference ---------------------------------------------------------------
+
+
+def kernel_variants():
+    variants = [False]
+    if DEVICE == "cuda" and torch.version.hip is None:
+        variants.append(True)  # hardware e4m3 conversion
+    return variants
+
+
+@pytest.mark.parametrize("native", kernel_variants())
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_reference_random(shape, target, mode, native):
+    q, s = random_mx(shape, seed=hash(shape) % 1000)
+    want = convert_reference(q, s, target, mode)
+    got = convert_triton(q.to(DEVICE), s.to(DEVICE), target, mode, native_fp8=native)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("native", kernel_variants())
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", list(AWKWARD))
+def test_kernel_matches_reference_awkward(case, target, mode, native):
+    q, s = AWKWARD[case]
+    want = convert_reference(q, s, target, mode)
+    got = convert_triton(q.to(DEVICE), s.to(DEVICE), target, mode, native_fp8=native)
+    assert_same(got, want)
+
+
+def rounding_probe() -> torch.Tensor:
+    """float32 values where e4m3fn rounding can go wrong: every code, every midpoint, one ulp either side."""
+    values = torch.arange(0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+    mids = (values[:-1] + values[1:]) / 2
+    below_min = torch.tensor([2.0**-10, 3 * 2.0**-11, 2.0**-11, 2.0**-12, 1e-30, 1e-40, 0.0], dtype=torch.float64)
+    top = torch.tensor([448.0, 448.00003, 455.9, 456.0], dtype=torch.float64)
+    exact = torch.cat([values, mids, below_min, top]).to(torch.float32)
+    bits = exact.view(torch.int32)
+    neighbours = torch.cat([(bits - 1).clamp(min=0), bits + 1]).view(torch.float32)
+    rand = torch.rand(20000, generator=torch.Generator().manual_seed(9)) * 448
+    tiny = torch.rand(5000, generator=torch.Generator().manual_seed(10)) * 2.0**-5
+    return torch.cat([exact, neighbours, rand, tiny])
+
+
+@pytest.mark.parametrize("native", kernel_variants())
+def test_kernel_rounding_matches_torch_cast_on_midpoints(native):
+    x = rounding_probe()
+    x = x[x < 448.0 * (1 + 2**-20)]
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    got = round_to_e4m3fn(x.to(DEVICE), native_fp8=native).cpu()
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} values round differently, e.g. {x[bad[:5]].tolist()}"
+    # ml_dtypes (an independent RNE implementation) agrees with torch on these values.
+    np.testing.assert_array_equal(x.numpy().astype(ml_dtypes.float8_e4m3fn).view(np.uint8), want.numpy())
+
+
+def test_kernel_two_dimensional_and_chunked_paths_agree():
+    q, s = random_mx((5, 130, 160), seed=6)
+    want = convert_reference(q, s, "fnuz", "exact")
+    got2d = [convert_triton(q[i].to(DEVICE), s[i].to(DEVICE)) for i in range(5)]
+    assert_same((torch.stack([g[0] for g in got2d]), torch.stack([g[1] for g in got2d])), want)
+    if DEVICE == "cuda":  # host tensors go to the GPU two experts at a time
+        got = convert_weight(q, s, device="cuda", chunk_bytes=2 * 130 * 160)
+        assert_same(got, want)
+
+
+# --- invalid input -----------------------------------------------------------------------------
+
+
+def _invalid_cases():
+    q, s = random_mx((2, 128, 128), seed=7)
+    nan_pos = q.clone()
+    nan_pos[1, 5, 7] = 0x7F
+    nan_neg = q.clone()
+    nan_neg[0, 127, 100] = 0xFF
+    bad_scale = s.clone()
+    bad_scale[0, 3, 2] = 0xFF
+    overflow_q = q.clone()
+    overflow_q[0, 0, 0] = 0x7E  # 448 * 2**(254-127) is not finite in float32
+    overflow_s = s.clone()
+    overflow_s[0, 0, 0] = 254
+    return {
+        "NaN code 0x7F": (nan_pos, s, "NaN weight code"),
+        "NaN code 0xFF": (nan_neg, s, "NaN weight code"),
+        "E8M0 0xFF": (q, bad_scale, "0xFF"),
+        "overflow": (overflow_q, overflow_s, "not finite"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_invalid_cases()))
+def test_invalid_values_are_refused_by_every_path(case):
+    q, s, words = _invalid_cases()[case]
+    with pytest.raises(MxFormatError, match=words):
+        validate_pair(q, s)
+    with pytest.raises(MxFormatError, match=words):
+        convert_weight(q, s, device="cpu")
+    with pytest.raises(MxFormatError, match=words):
+        convert_triton(q.to(DEVICE), s.to(DEVICE))
+
+
+@pytest.mark.parametrize(
+    "codes_shape, scales_shape, words",
+    [((128, 100), (128, 3), "not a multiple of 32"), ((128, 128), (128, 8), "does not match"), ((4,), (1,), "dimensions")],
+)
+def test_bad_shapes_are_refused(codes_shape, scales_shape, words):
+    with pytest.raises(MxFormatError, match=words):
+        convert_weight(torch.zeros(codes_shape, dtype=torch.uint8), torch.zeros(scales_shape, dtype=torch.uint8))
+
+
+def test_e8m0_and_fp8_dtypes_are_accepted():
+    q, s = random_mx((1, 64, 64), seed=8)
+    want = convert_reference(q, s)
+    got = convert_weight(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), device="cpu")
+    assert got[0].dtype == torch.float8_e4m3fnuz
+    assert_same(got, want)
