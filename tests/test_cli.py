@@ -1,0 +1,174 @@
+"""The ``transformd`` command line: exit codes, the last line of standard output, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from transformd import cli
+
+from .test_checkpoint import O, SHARD_B, _poke, _set, assert_converted, default_shards, write_checkpoint
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, list[str], list[str]]:
+    code = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err.splitlines()
+
+
+def test_convert_prints_out_dir_last(tmp_path: Path, capsys) -> None:
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", out, "--target", "ocp", "--scale-mode", "amax",
+                                "--device", "cpu")
+    assert code == 0
+    assert stdout[-1] == str(out)
+    assert stderr == [], "no progress bar when standard error is not a terminal"
+    assert_converted(src, out, "ocp", "amax")
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path: Path, capsys, monkeypatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    src = write_checkpoint(tmp_path / "src")
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    code = cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu"])
+    assert code == 0 and capsys.readouterr().out.splitlines()[-1] == str(tmp_path / "out")
+    bar = terminal.getvalue()
+    assert "converting" in bar and "22/22 tensors" in bar
+
+
+def test_convert_select(tmp_path: Path, capsys) -> None:
+    src = write_checkpoint(tmp_path / "src")
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--select", r"down_proj",
+                                "--device", "cpu")
+    assert code == 0 and stdout[-1] == str(tmp_path / "out")
+    assert stderr == ["transformd: note: 5 MXFP8 weights not matched by --select were left as MXFP8"]
+    assert_converted(src, tmp_path / "out", select="down_proj")
+
+
+def test_convert_non_empty_out_exit_2(tmp_path: Path, capsys) -> None:
+    src = write_checkpoint(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu")
+    assert code == 2 and stdout == []
+    assert len(stderr) == 1 and stderr[0].startswith("transformd: error: ") and "not empty" in stderr[0]
+    code, stdout, _ = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu", "--overwrite")
+    assert code == 0 and stdout[-1] == str(tmp_path / "out") and not (tmp_path / "out" / "x").exists()
+
+
+def test_convert_invalid_values_exit_2_nothing_written(tmp_path: Path, capsys) -> None:
+    shards = default_shards()
+    _set(f"{O}.weight_scale", _poke((1, 1), 0xFF))(shards)
+    src = write_checkpoint(tmp_path / "src", shards)
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu")
+    assert code == 2 and stdout == [] and len(stderr) == 1
+    assert SHARD_B in stderr[0] and f"{O}.weight" in stderr[0] and "E8M0 scale byte 0xFF" in stderr[0]
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_convert_not_a_checkpoint_exit_2(tmp_path: Path, capsys) -> None:
+    code, stdout, stderr = _run(capsys, "convert", tmp_path / "nowhere", "--out", tmp_path / "out")
+    assert code == 2 and stdout == [] and len(stderr) == 1 and "is not a directory" in stderr[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["convert", "src"], ["convert", "src", "--out", "o", "--target", "e5m2"], ["bogus"], [],
+     ["sample", "d", "--layers", "0"]],
+)
+def test_usage_errors_exit_2(capsys, argv: list[str]) -> None:
+    code, stdout, stderr = _run(capsys, *argv)
+    assert code == 2 and stdout == [] and stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_without_gpu_exit_1(tmp_path: Path, capsys) -> None:
+    src = write_checkpoint(tmp_path / "src")
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cuda")
+    assert code == 1 and stdout == [] and len(stderr) == 1 and "no GPU" in stderr[0]
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_sample_then_convert_with_report_and_inspect(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("transformd.sample")
+    pytest.importorskip("transformd.report")
+    code, stdout, _ = _run(capsys, "sample", tmp_path / "s", "--layers", "1", "--experts", "2", "--seed", "3")
+    assert code == 0 and stdout[-1] == str(tmp_path / "s")
+    assert (tmp_path / "s" / "config.json").is_file() and (tmp_path / "s" / "model.safetensors.index.json").is_file()
+
+    code, stdout, _ = _run(capsys, "convert", tmp_path / "s", "--out", tmp_path / "o", "--device", "cpu", "--report")
+    assert code == 0 and stdout[-1] == str(tmp_path / "o")
+    table = "\n".join(stdout[:-1])
+    assert "rel L2" in table and "model.layers.0.self_attn.q_proj.weight" in table and "overall" in table
+
+    code, stdout, _ = _run(capsys, "inspect", tmp_path / "s", tmp_path / "o")
+    assert code == 0 and stdout[-1] == str(tmp_path / "o") and "\n".join(stdout[:-1]) == table
+
+
+def test_sample_options_reach_the_checkpoint(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("transformd.sample")
+    code, stdout, _ = _run(capsys, "sample", tmp_path / "s", "--layers", "1", "--experts", "2", "--shards", "1",
+                           "--scale-suffix", "weight_scale_inv", "--fused-experts")
+    assert code == 0 and stdout[-1] == str(tmp_path / "s")
+    tensors = load_file(str(tmp_path / "s" / "model.safetensors"))
+    fused = tensors["model.layers.0.mlp.experts.down_proj.weight"]
+    assert fused.dim() == 3 and fused.shape[0] == 2
+    assert "model.layers.0.mlp.experts.down_proj.weight_scale_inv" in tensors
+
+
+def test_extension_commands(capsys) -> None:
+    """Another module adds a command group through add_commands(subparsers)."""
+
+    def add_commands(subparsers: argparse._SubParsersAction) -> None:
+        cache = subparsers.add_parser("cache")
+        group = cache.add_subparsers(dest="cache_command", required=True)
+        ls = group.add_parser("ls")
+        ls.set_defaults(handler=lambda args: print("listed") or 0)
+
+    parser = cli.build_parser(extensions=[add_commands])
+    args = parser.parse_args(["cache", "ls"])
+    assert args.handler(args) == 0 and capsys.readouterr().out == "listed\n"
+    args = parser.parse_args(["convert", "a", "--out", "b"])  # the built-in commands are still there
+    assert args.handler is cli._run_convert and args.out == Path("b") and args.target == "fnuz"
+
+
+def test_main_dispatches_extension_handlers(monkeypatch, capsys) -> None:
+    """main() runs an extension's handler, whether it is registered as handler= or func=."""
+    import types
+
+    def add_commands(subparsers: argparse._SubParsersAction) -> None:
+        subparsers.add_parser("hello").set_defaults(func=lambda args: print("hi") or 3)
+
+    monkeypatch.setitem(sys.modules, "fake_ext", types.SimpleNamespace(add_commands=add_commands))
+    monkeypatch.setattr(cli, "EXTENSION_MODULES", ("fake_ext",))
+    code, stdout, _ = _run(capsys, "hello")
+    assert code == 3 and stdout == ["hi"]
+
+
+def test_console_entry_point_in_a_process(tmp_path: Path) -> None:
+    """Through a real process: exit status and stdout as a shell script sees them."""
+    src = write_checkpoint(tmp_path / "src")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "transformd.cli", "convert", str(src), "--out", out, "--device", "cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == str(tmp_path / "out")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and done.stdout == "" and "not empty" in done.stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"]["transformd"]["target"] == "fnuz"

@@ -1,0 +1,225 @@
+"""Command line: ``transformd convert | sample | inspect``.
+
+Conventions every subcommand keeps, so scripts can rely on them:
+
+* the last line of standard output is the directory the command produced (or
+  read), so ``DIR=$(transformd convert ... | tail -n1)`` works;
+* errors are one line on standard error, ``transformd: error: ...``; exit code 2
+  for bad input (a malformed checkpoint, invalid MXFP8 values, a non-empty
+  ``--out``, bad arguments), 1 for environment failures (I/O, no GPU);
+* the progress bar goes to standard error, and only when that is a terminal.
+
+Other modules add subcommands with a function ``add_commands(subparsers)``
+that registers parsers whose defaults carry ``handler=<callable(args) -> int>``
+(``func=`` is accepted too; see :func:`add_commands` here); list the module in
+:data:`EXTENSION_MODULES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from .formats import MxFormatError, ScaleMode, Target
+from .safetensors_io import CheckpointError
+
+__all__ = ["EXTENSION_MODULES", "add_commands", "build_parser", "main"]
+
+#: Modules whose ``add_commands(subparsers)`` is called after this module's (e.g. a cache command group).
+EXTENSION_MODULES: tuple[str, ...] = ()
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+
+
+def build_parser(
+    extensions: Sequence[Callable[[argparse._SubParsersAction], object]] = (),
+) -> argparse.ArgumentParser:
+    """The ``transformd`` parser: this module's commands, then each extension's."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="transformd",
+        description="Convert MXFP8 checkpoints to 128x128 block FP8 (FNUZ or OCP e4m3).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_commands(subparsers)
+    for module in EXTENSION_MODULES:
+        importlib.import_module(module).add_commands(subparsers)
+    for extra in extensions:
+        extra(subparsers)
+    return parser
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``convert``, ``sample`` and ``inspect``."""
+    convert = subparsers.add_parser(
+        "convert",
+        help="convert an MXFP8 checkpoint directory to block FP8",
+        description="Convert the MXFP8 checkpoint SRC into a 128x128 block-FP8 checkpoint in DIR; print DIR last.",
+    )
+    convert.add_argument("src", metavar="SRC", type=Path, help="MXFP8 checkpoint directory (config.json + safetensors)")
+    convert.add_argument("--out", metavar="DIR", type=Path, required=True,
+                         help="output directory (must be empty or absent)")
+    convert.add_argument("--target", choices=[t.value for t in Target], default=Target.FNUZ.value,
+                         help="fnuz: float8_e4m3fnuz for MI300-class GPUs (default); ocp: float8_e4m3fn")
+    convert.add_argument("--scale-mode", choices=[m.value for m in ScaleMode], default=ScaleMode.EXACT.value,
+                         help="exact: power-of-two tile scales, lossless for normal values (default); "
+                              "amax: amax/448, parity with vLLM's in-engine conversion")
+    convert.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                         help="where to convert (auto: the GPU when there is one)")
+    convert.add_argument("--select", metavar="REGEX",
+                         help="convert only MXFP8 weights whose name matches (re.search); the others stay MXFP8")
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
+    convert.add_argument("--report", action="store_true",
+                         help="print the reconstruction error per tensor and overall before DIR")
+    convert.set_defaults(handler=_run_convert)
+
+    sample = subparsers.add_parser(
+        "sample",
+        help="write a small MXFP8 MoE sample checkpoint",
+        description="Write a small ModelOpt-layout MXFP8 MoE checkpoint into DIR; print DIR last.",
+    )
+    sample.add_argument("dir", metavar="DIR", type=Path)
+    sample.add_argument("--layers", type=_positive_int, default=2)
+    sample.add_argument("--experts", type=_positive_int, default=4)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--shards", type=_positive_int, default=2)
+    sample.add_argument("--scale-suffix", choices=["weight_scale", "weight_scale_inv"], default="weight_scale",
+                        help="ModelOpt (weight_scale) or MiniMax-style (weight_scale_inv) scale names")
+    sample.add_argument("--fused-experts", action="store_true", help="3-D [E, N, K] expert tensors")
+    sample.set_defaults(handler=_run_sample)
+
+    inspect = subparsers.add_parser(
+        "inspect",
+        help="report the reconstruction error of a conversion",
+        description="Compare the MXFP8 checkpoint SRC with its conversion OUT; print the error table, then OUT.",
+    )
+    inspect.add_argument("src", metavar="SRC", type=Path)
+    inspect.add_argument("out", metavar="OUT", type=Path)
+    inspect.set_defaults(handler=_run_inspect)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``transformd`` script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse reports usage errors itself, with code 2
+        return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
+    handler = getattr(args, "handler", None) or args.func
+    try:
+        return handler(args)
+    except (CheckpointError, MxFormatError, ValueError, FileExistsError) as err:
+        return _fail(err, EXIT_BAD_INPUT)
+    except (OSError, RuntimeError) as err:
+        return _fail(err, EXIT_FAILURE)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+def _fail(err: BaseException | str, code: int, stream: TextIO | None = None) -> int:
+    message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the exception text holds
+    print(f"transformd: error: {message}", file=stream or sys.stderr)
+    return code
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Handlers
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from .checkpoint import convert_checkpoint
+
+    with _ProgressBar() as bar:
+        result = convert_checkpoint(
+            args.src,
+            args.out,
+            target=args.target,
+            scale_mode=args.scale_mode,
+            select=args.select,
+            device=args.device,
+            overwrite=args.overwrite,
+            progress=bar.update,
+        )
+    if result.unconverted:
+        print(
+            f"transformd: note: {len(result.unconverted)} MXFP8 weights not matched by --select were left as MXFP8",
+            file=sys.stderr,
+        )
+    if result.left_out:
+        print(f"transformd: note: not referenced by the index, not carried over: {', '.join(result.left_out)}",
+              file=sys.stderr)
+    if args.report:
+        from .report import compare_checkpoints
+
+        print(compare_checkpoints(args.src, result.out).format_table())
+    print(result.out)
+    return EXIT_OK
+
+
+def _run_sample(args: argparse.Namespace) -> int:
+    from .sample import write_sample_checkpoint
+
+    path = write_sample_checkpoint(
+        args.dir,
+        layers=args.layers,
+        experts=args.experts,
+        seed=args.seed,
+        shards=args.shards,
+        scale_suffix=args.scale_suffix,
+        fused_experts=args.fused_experts,
+    )
+    print(path)
+    return EXIT_OK
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from .report import compare_checkpoints
+
+    print(compare_checkpoints(args.src, args.out).format_table())
+    print(args.out)
+    return EXIT_OK
+
+
+class _ProgressBar:
+    """A tqdm bar over input bytes on standard error, only when standard error is a terminal."""
+
+    def __init__(self) -> None:
+        self._bar = None
+        self._enabled = sys.stderr.isatty()
+
+    def update(self, p) -> None:  # p: checkpoint.Progress
+        if not self._enabled:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=p.bytes_total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                             desc="converting", dynamic_ncols=True)
+        self._bar.update(p.bytes_done - self._bar.n)
+        self._bar.set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors", refresh=False)
+
+    def __enter__(self) -> _ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
