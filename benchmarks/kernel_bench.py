@@ -80,7 +80,7 @@ def same(a, b) -> bool:
     )
 
 
-def run_shape(name, e, n, k, args, rows, checks):
+def run_shape(name, e, n, k, args, rows, checks, results):
     dev = DEV
     q, s = random_mx(e, n, k, dev)
     numel = q.numel()
@@ -98,18 +98,22 @@ def run_shape(name, e, n, k, args, rows, checks):
         ref = convert_reference(q, s, "fnuz", mode)
         ref_ms = wall_ms(lambda: convert_reference(q, s, "fnuz", mode), reps=1)
         if mode == "amax":
+            # The PR divides by the Python scalar 448.0; on CUDA PyTorch turns that into a
+            # multiply by the rounded reciprocal, so a few tiles' scales differ from IEEE.
             pr = pr45726_convert(q.view(torch.float8_e4m3fn), s, fnuz=True)
-            checks.append((name, mode, "PR #45726 path == reference", same(pr, ref)))
+            tiles_off = float((pr[1].view(torch.int32) != ref[1].view(torch.int32)).float().mean())
+            codes_off = float((pr[0].view(torch.uint8) != ref[0]).float().mean())
+            results.setdefault("pr45726_vs_ieee", {})[name] = {"tiles_scale_differs": tiles_off, "codes_differ": codes_off}
             del pr
-        natives = (False, True) if DEV.type == "cuda" else (False,)
-        variants = [(native, w) for native in natives for w in (4, 8, 16)]
+        kernels = ("portable", "ptx") if DEV.type == "cuda" else ("portable",)
+        variants = [(kern, w) for kern in kernels for w in (4, 8)]
         out = (torch.empty_like(q), torch.empty((e, nt, kt), dtype=torch.float32, device=dev))
-        for native, warps in variants:
-            got = convert_triton(q, s, "fnuz", mode, native_fp8=native, num_warps=warps)
-            checks.append((name, mode, f"triton {'native' if native else 'int'} w{warps} == reference", same(got, ref)))
+        for kern, warps in variants:
+            got = convert_triton(q, s, "fnuz", mode, kernel=kern, num_warps=warps)
+            checks.append((name, mode, f"triton {kern} w{warps} == reference", same(got, ref)))
             del got
-            ms = bench_ms(lambda: convert_triton(q, s, "fnuz", mode, native_fp8=native, num_warps=warps, out=out, check=False))
-            label = f"triton {mode} {'native-cvt' if native else 'int-round'} warps={warps}"
+            ms = bench_ms(lambda: convert_triton(q, s, "fnuz", mode, kernel=kern, num_warps=warps, out=out, check=False))
+            label = f"triton {mode} {kern} warps={warps}"
             rows.append((name, label, ms, numel / ms / 1e6, moved / ms / 1e6, moved / ms / 1e6 / copy_gbs, pr_ms / ms))
         for target in ("ocp",):
             got = convert_triton(q, s, target, mode)
@@ -193,7 +197,7 @@ def main() -> int:
     rows, checks, results = [], [], {}
     shapes = SMOKE_SHAPES if args.smoke else QUICK_SHAPES if args.quick else SHAPES
     for name, (e, n, k) in shapes.items():
-        run_shape(name, e, n, k, args, rows, checks)
+        run_shape(name, e, n, k, args, rows, checks, results)
     matmul_check(results, *((256, 512, 64) if args.smoke else ()))
 
     print(f"\n{'shape':<16} {'variant':<44} {'ms':>9} {'G elem/s':>9} {'GB/s':>7} {'of copy':>8} {'x PR path':>9}")
@@ -205,6 +209,8 @@ def main() -> int:
         print(f"  {'OK  ' if ok else 'FAIL'} {name:<16} {mode:<6} {what}")
     print("\nblock-scaled FP8 matmul with converted weights (target ocp), rel. Frobenius error vs BF16 matmul:")
     print(json.dumps(results["matmul"], indent=2))
+    print("\nvLLM PR #45726 path as run on this device vs the IEEE contract (fraction of tiles / codes that differ):")
+    print(json.dumps(results.get("pr45726_vs_ieee"), indent=2))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "checks": checks, **results}, indent=2))
     return 0 if all(ok for *_, ok in checks) else 1

@@ -54,8 +54,13 @@ def exact_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def amax_scale(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 ``amax / 448`` (IEEE division); 1.0 for amax == 0."""
-    return torch.where(amax == 0, torch.ones_like(amax), amax / E4M3FN_MAX)
+    """fp32 ``amax / 448`` (IEEE division); 1.0 for amax == 0.
+
+    The divisor is a tensor on purpose: for a Python-scalar divisor PyTorch's CUDA
+    kernel multiplies by the rounded reciprocal instead, which differs from the
+    IEEE quotient in the last bit for some amax values.
+    """
+    return torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3FN_MAX))
 
 
 def expand_tiles(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
