@@ -137,22 +137,39 @@ def quantize_activations_1x128(x: torch.Tensor):
     return xq, scale
 
 
-def blockscaled_matmul(xq, sx, wq, sw):
-    """Y = X W^T with 1x128 activation groups and 128x128 weight tiles.
+def emulated_blockscaled_matmul(xq, sx, wq, sw):
+    """The block-scaled product in float32: dequantize both FP8 operands, then matmul."""
+    m, k = xq.shape
+    xd = (xq.float().view(m, k // 128, 128) * sx[..., None]).view(m, k)
+    return xd @ dequantize_block(wq.view(torch.uint8), sw, "ocp").t()
 
-    Tries PyTorch's block-scaled _scaled_mm (cuBLAS on Hopper); falls back to the
-    same arithmetic in float32 (dequantize both FP8 operands, then matmul).
+
+def blockscaled_matmul(xq, sx, wq, sw):
+    """Y = X W^T on the tensor cores with 1x128 activation groups and 128x128 weight tiles.
+
+    PyTorch's block-scaled ``_scaled_mm`` (cuBLAS, Hopper) infers the recipe from the scale
+    shapes; its scale layouts have changed between releases, so each candidate layout is
+    tried and accepted only if it agrees with the float32 emulation of the same product.
+    Falls back to that emulation, saying so.
     """
-    try:
-        y = torch._scaled_mm(
-            xq, wq.t(), scale_a=sx.t().contiguous().t(), scale_b=sw.t().contiguous(), out_dtype=torch.bfloat16
-        )
-        return y.float(), "torch._scaled_mm blockwise"
-    except Exception as err:  # noqa: BLE001 - report which path ran
-        m, k = xq.shape
-        xd = (xq.float().view(m, k // 128, 128) * sx[..., None]).view(m, k)
-        wd = dequantize_block(wq.view(torch.uint8), sw, "ocp")
-        return xd @ wd.t(), f"fp32 emulation ({type(err).__name__})"
+    emulated = emulated_blockscaled_matmul(xq, sx, wq, sw)
+    candidates = {
+        "scale_b (K/128, N/128) col-major": sw.t(),
+        "scale_b (N/128, K/128)": sw,
+        "scale_b (K/128, N/128) row-major": sw.t().contiguous(),
+    }
+    errors = []
+    for label, scale_b in candidates.items():
+        try:
+            y = torch._scaled_mm(xq, wq.t(), scale_a=sx.t().contiguous().t(), scale_b=scale_b, out_dtype=torch.bfloat16)
+        except Exception as err:  # noqa: BLE001 - report which layouts were refused
+            errors.append(f"{label}: {str(err).splitlines()[0][:160]}")
+            continue
+        y = y.float()
+        if float((y - emulated).norm() / emulated.norm()) < 1e-2:
+            return y, f"torch._scaled_mm blockwise 1x128 x 128x128, {label}"
+        errors.append(f"{label}: ran, but disagrees with the emulation")
+    return emulated, "fp32 emulation; _scaled_mm: " + " | ".join(errors)
 
 
 def matmul_check(results, n=4096, k=7168, m=512):
@@ -177,7 +194,7 @@ def matmul_check(results, n=4096, k=7168, m=512):
     for mode in ("exact", "amax"):
         wq, sw = convert_triton(q, s, "ocp", mode)
         y, path = blockscaled_matmul(xq, sx, wq.view(torch.float8_e4m3fn), sw)
-        y_emul = xd @ dequantize_block(wq, sw, "ocp").t()
+        y_emul = emulated_blockscaled_matmul(xq, sx, wq, sw)
         results["matmul"][mode] = {"path": path, "rel_err": rel(y), "rel_err_fp32_emulation": rel(y_emul)}
         w_err = float((dequantize_block(wq, sw, "ocp") - w_dec).norm() / w_dec.norm())
         results["matmul"][mode]["weight_rel_l2"] = w_err
