@@ -134,13 +134,13 @@ def test_extension_commands(capsys) -> None:
     """Another module adds a command group through add_commands(subparsers)."""
 
     def add_commands(subparsers: argparse._SubParsersAction) -> None:
-        cache = subparsers.add_parser("cache")
-        group = cache.add_subparsers(dest="cache_command", required=True)
+        cache = subparsers.add_parser("extra")
+        group = cache.add_subparsers(dest="extra_command", required=True)
         ls = group.add_parser("ls")
         ls.set_defaults(handler=lambda args: print("listed") or 0)
 
     parser = cli.build_parser(extensions=[add_commands])
-    args = parser.parse_args(["cache", "ls"])
+    args = parser.parse_args(["extra", "ls"])
     assert args.handler(args) == 0 and capsys.readouterr().out == "listed\n"
     args = parser.parse_args(["convert", "a", "--out", "b"])  # the built-in commands are still there
     assert args.handler is cli._run_convert and args.out == Path("b") and args.target == "fnuz"

@@ -1,4 +1,4 @@
-"""Command line: ``transformd convert | sample | inspect``.
+"""Command line: ``transformd convert | sample | inspect | demo | cache ...``.
 
 Conventions every subcommand keeps, so scripts can rely on them:
 
@@ -30,7 +30,7 @@ from .safetensors_io import CheckpointError
 __all__ = ["EXTENSION_MODULES", "add_commands", "build_parser", "main"]
 
 #: Modules whose ``add_commands(subparsers)`` is called after this module's (e.g. a cache command group).
-EXTENSION_MODULES: tuple[str, ...] = ()
+EXTENSION_MODULES: tuple[str, ...] = ("transformd.cache.cli",)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -65,8 +65,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         description="Convert the MXFP8 checkpoint SRC into a 128x128 block-FP8 checkpoint in DIR; print DIR last.",
     )
     convert.add_argument("src", metavar="SRC", type=Path, help="MXFP8 checkpoint directory (config.json + safetensors)")
-    convert.add_argument("--out", metavar="DIR", type=Path, required=True,
-                         help="output directory (must be empty or absent)")
+    convert.add_argument("--out", metavar="DIR", type=Path,
+                         help="output directory (must be empty or absent); without it the conversion goes into "
+                              "the cache and a second call for the same checkpoint returns at once")
+    convert.add_argument("--cache-dir", metavar="DIR", type=Path,
+                         help="cache root (default: $TRANSFORMD_CACHE_DIR, else ~/.cache/transformd)")
     convert.add_argument("--target", choices=[t.value for t in Target], default=Target.FNUZ.value,
                          help="fnuz: float8_e4m3fnuz for MI300-class GPUs (default); ocp: float8_e4m3fn")
     convert.add_argument("--scale-mode", choices=[m.value for m in ScaleMode], default=ScaleMode.EXACT.value,
@@ -105,6 +108,17 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     inspect.add_argument("out", metavar="OUT", type=Path)
     inspect.set_defaults(handler=_run_inspect)
 
+    demo = subparsers.add_parser(
+        "demo",
+        help="the main job on the built-in sample: write, convert, report, then hit the cache",
+        description="Write the sample MXFP8 checkpoint, convert it into a cache, report the reconstruction "
+                    "error of both scale modes, then resolve it again from the cache; print the converted directory.",
+    )
+    demo.add_argument("--dir", metavar="DIR", type=Path,
+                      help="working directory for the sample and its cache (default: a new temporary directory)")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    demo.set_defaults(handler=_run_demo)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``transformd`` script; returns the exit code."""
@@ -142,6 +156,8 @@ def _positive_int(text: str) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    if args.out is None:
+        return _run_convert_cached(args)
     from .checkpoint import convert_checkpoint
 
     with _ProgressBar() as bar:
@@ -171,6 +187,24 @@ def _run_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_convert_cached(args: argparse.Namespace) -> int:
+    from .cache import Cache, Recipe
+
+    if args.overwrite:
+        raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
+    cache = Cache(args.cache_dir, device=args.device)
+    with _ProgressBar() as bar:
+        entry = cache.get_or_convert(
+            args.src, Recipe(target=args.target, scale_mode=args.scale_mode, select=args.select), progress=bar.update
+        )
+    if args.report:
+        from .report import compare_checkpoints
+
+        print(compare_checkpoints(args.src, entry.path).format_table())
+    print(entry.path)
+    return EXIT_OK
+
+
 def _run_sample(args: argparse.Namespace) -> int:
     from .sample import write_sample_checkpoint
 
@@ -184,6 +218,13 @@ def _run_sample(args: argparse.Namespace) -> int:
         fused_experts=args.fused_experts,
     )
     print(path)
+    return EXIT_OK
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    print(run_demo(args.dir, device=args.device))
     return EXIT_OK
 
 
@@ -202,16 +243,23 @@ class _ProgressBar:
         self._bar = None
         self._enabled = sys.stderr.isatty()
 
-    def update(self, p) -> None:  # p: checkpoint.Progress
+    def update(self, p) -> None:
+        """Take a checkpoint.Progress, or the cache's ConversionStatus carrying one (as a dict) in ``detail``."""
         if not self._enabled:
+            return
+        detail = getattr(p, "detail", p)
+        if isinstance(detail, dict):
+            detail = argparse.Namespace(**detail)
+        total, done = getattr(detail, "bytes_total", None), getattr(detail, "bytes_done", None)
+        if total is None or done is None:
             return
         if self._bar is None:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=p.bytes_total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                              desc="converting", dynamic_ncols=True)
-        self._bar.update(p.bytes_done - self._bar.n)
-        self._bar.set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors", refresh=False)
+        self._bar.update(done - self._bar.n)
+        self._bar.set_postfix_str(f"{detail.tensors_done}/{detail.tensors_total} tensors", refresh=False)
 
     def __enter__(self) -> _ProgressBar:
         return self

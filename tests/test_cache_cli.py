@@ -1,0 +1,136 @@
+"""``transformd cache ls | verify [KEY] | gc | rm KEY`` through add_commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from transformd.cache import Cache
+from transformd.cache.cli import add_commands, main
+from transformd.cache.testing import CopyConverter, write_source
+
+
+@pytest.fixture
+def filled(tmp_path):
+    cache = Cache(tmp_path / "cache", budget_bytes="10M", converter=CopyConverter())
+    srcs = [write_source(tmp_path / f"model{i}", seed=i) for i in range(3)]
+    entries = [cache.get_or_convert(s) for s in srcs]
+    for i, e in enumerate(entries):  # model0 used longest ago
+        t = time.time() - 1000 * (3 - i)
+        os.utime(e.root, (t, t))
+    return cache, srcs, entries
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_add_commands_registers_on_an_outer_parser(tmp_path):
+    parser = argparse.ArgumentParser(prog="transformd")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_commands(sub)
+    args = parser.parse_args(["cache", "verify", "0" * 32, "--cache-dir", str(tmp_path)])
+    assert args.command == "cache" and args.cache_command == "verify" and args.key == "0" * 32
+    assert args.cache_dir == str(tmp_path) and callable(args.func)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["cache"])
+
+
+def test_ls(capsys, filled, monkeypatch):
+    cache, srcs, entries = filled
+    monkeypatch.setenv("TRANSFORMD_CACHE_BUDGET", "10M")
+    with cache.lease(entries[2].key):
+        code, out, _ = run(capsys, "cache", "ls", "--cache-dir", str(cache.root))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"cache {cache.root}"
+    assert lines[1].split() == ["KEY", "SIZE", "LAST", "USED", "RECIPE", "LEASES", "SOURCE"]
+    rows = lines[2:5]
+    assert [r.split()[0] for r in rows] == [entries[2].key, entries[1].key, entries[0].key]  # most recent first
+    for row, src in zip(rows, reversed(srcs), strict=True):
+        assert row.rstrip().endswith(str(src)) and "fnuz/exact" in row and "KiB" in row
+    assert rows[0].split()[-2] == "1" and rows[1].split()[-2] == "0"  # live leases
+    assert "3 entries" in lines[5] and "of 9.5 MiB budget" in lines[5]
+    code, out, _ = run(capsys, "cache", "ls", "--cache-dir", str(cache.root), "--json")
+    data = json.loads(out)
+    assert [e["key"] for e in data["entries"]] == [e.key for e in reversed(entries)]
+    assert data["entries"][0]["size_bytes"] == entries[2].size_bytes and data["budget_bytes"] == 10_000_000
+
+
+def test_ls_empty_cache_from_the_environment(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRANSFORMD_CACHE_DIR", str(tmp_path / "envcache"))
+    code, out, _ = run(capsys, "cache", "ls")
+    assert code == 0 and f"cache {tmp_path / 'envcache'}" in out and "no entries" in out
+
+
+def test_verify(capsys, filled):
+    cache, _, entries = filled
+    code, out, _ = run(capsys, "cache", "verify", "--cache-dir", str(cache.root))
+    assert code == 0 and out.count("ok ") == 3 and "3 entries checked, 0 corrupt" in out
+    f = entries[1].path / "model-00002-of-00002.safetensors"
+    os.chmod(f.parent, 0o755)
+    os.chmod(f, 0o644)
+    with open(f, "r+b") as fh:
+        fh.seek(100)
+        b = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    code, out, _ = run(capsys, "cache", "verify", entries[1].key, "--cache-dir", str(cache.root))
+    assert code == 1
+    assert f"CORRUPT  {entries[1].key} -> quarantined to {cache.quarantine_dir}" in out
+    assert "model-00002-of-00002.safetensors: content digest" in out
+    code, out, _ = run(capsys, "cache", "verify", "--cache-dir", str(cache.root))
+    assert code == 0 and "2 entries checked, 0 corrupt" in out
+
+
+def test_gc_and_rm(capsys, filled):
+    cache, _, entries = filled
+    size = entries[0].size_bytes
+    code, out, _ = run(capsys, "cache", "gc", "--cache-dir", str(cache.root), "--budget", str(2 * size + 10))
+    assert code == 0 and f"evicted  {entries[0].key}" in out and "evicted 1 entries" in out
+    assert cache.get(entries[0].key) is None and cache.get(entries[1].key) is not None
+    code, out, err = run(capsys, "cache", "rm", entries[1].key, "--cache-dir", str(cache.root))
+    assert code == 0 and out.startswith(f"removed  {entries[1].key}")
+    with cache.lease(entries[2].key):
+        code, out, err = run(capsys, "cache", "rm", entries[2].key, "--cache-dir", str(cache.root))
+        assert code == 1 and "leased" in err and cache.get(entries[2].key) is not None
+        code, out, err = run(capsys, "cache", "rm", entries[2].key, "--force", "--cache-dir", str(cache.root))
+        assert code == 0
+    assert cache.entries() == []
+    code, out, err = run(capsys, "cache", "rm", "../../etc", "--cache-dir", str(cache.root))
+    assert code == 2 and err.startswith("transformd: error: not a cache key")
+    code, out, err = run(capsys, "cache", "rm", "0" * 32, "--cache-dir", str(cache.root))
+    assert code == 1 and "no cache entry" in err
+    code, out, err = run(capsys, "cache", "gc", "--budget", "lots", "--cache-dir", str(cache.root))
+    assert code == 2 and "cannot parse size" in err
+
+
+def test_module_entry_point(tmp_path, filled):
+    cache, _, entries = filled
+    p = subprocess.run(
+        [sys.executable, "-m", "transformd.cache.cli", "cache", "ls", "--cache-dir", str(cache.root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr
+    assert all(e.key in p.stdout for e in entries)
+
+
+def test_plugs_into_the_transformd_parser(capsys, filled):
+    from transformd.cli import build_parser
+
+    cache, _, entries = filled
+    args = build_parser().parse_args(["cache", "ls", "--cache-dir", str(cache.root)])  # wired by default
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert all(e.key in out for e in entries)

@@ -1,0 +1,277 @@
+"""Cache keys: content identity, stat cache, hub-cache layout, recipe, key validation."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from transformd.cache import Cache, InvalidKeyError, Recipe, SourceError, cache_key, source_identity, validate_key
+from transformd.cache import keys as keys_mod
+from transformd.cache.keys import StatCache
+from transformd.cache.testing import CopyConverter, write_source
+from transformd.formats import FORMAT_VERSION
+
+
+@pytest.fixture
+def count_hashes(monkeypatch):
+    """Count the files the key code actually reads (every read goes through keys.hash_file)."""
+    calls: list[str] = []
+    real = keys_mod.hash_file
+
+    def counting(path):
+        calls.append(os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(keys_mod, "hash_file", counting)
+    return calls
+
+
+def test_same_content_at_two_paths_gives_one_entry(tmp_path):
+    a = write_source(tmp_path / "a" / "model")
+    b = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(a, b)
+    log = tmp_path / "conversions.log"
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter(log))
+    ea = cache.get_or_convert(a)
+    eb = cache.get_or_convert(b)
+    assert ea.key == eb.key
+    assert ea.path == eb.path
+    assert (ea.outcome, eb.outcome) == ("converted", "hit")
+    assert log.read_text().count("\n") == 1
+    assert [e.key for e in cache.entries()] == [ea.key]
+    # the manifest keeps the first path as a hint only
+    assert ea.manifest.source_hint == str(a)
+
+
+@pytest.mark.parametrize("victim", ["model-00002-of-00002.safetensors", "config.json", "sub/extra.json"])
+def test_one_changed_byte_gives_a_new_key(tmp_path, victim):
+    src = write_source(tmp_path / "m")
+    write_source(src, {"sub/extra.json": b'{"a": 1}'})
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
+    key1 = cache.key_for(src)
+    f = src / victim
+    st = f.stat()
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime: only the content differs
+    key2 = cache.key_for(src)
+    assert key2 != key1
+    data[len(data) // 2] ^= 0x01  # restore: the old key comes back
+    f.write_bytes(bytes(data))
+    assert cache.key_for(src) == key1
+
+
+def test_added_or_removed_file_changes_the_key(tmp_path):
+    src = write_source(tmp_path / "m")
+    k0 = cache_key(source_identity(src), Recipe())
+    write_source(src, {"generation_config.json": b"{}"})
+    k1 = cache_key(source_identity(src), Recipe())
+    (src / "generation_config.json").unlink()
+    (src / "tokenizer.json").rename(src / "tokenizer2.json")  # same bytes, another name
+    k2 = cache_key(source_identity(src), Recipe())
+    assert len({k0, k1, k2}) == 3
+
+
+def test_hidden_files_are_not_part_of_the_identity(tmp_path):
+    src = write_source(tmp_path / "m")
+    k0 = cache_key(source_identity(src), Recipe())
+    write_source(src, {".cache/huggingface/download/x.metadata": b"etag", ".gitattributes": b"*"})
+    assert cache_key(source_identity(src), Recipe()) == k0
+
+
+def test_recipe_is_part_of_the_key(tmp_path):
+    ident = source_identity(write_source(tmp_path / "m"))
+    keys = {
+        cache_key(ident, Recipe()),
+        cache_key(ident, Recipe(target="ocp")),
+        cache_key(ident, Recipe(scale_mode="amax")),
+        cache_key(ident, Recipe(select="model.layers.0.*")),
+        cache_key(ident, Recipe(format_version=FORMAT_VERSION + 1)),
+    }
+    assert len(keys) == 5
+    assert cache_key(ident, Recipe("fnuz", "exact", None)) == cache_key(ident, Recipe())
+    assert Recipe(select="") == Recipe()
+    with pytest.raises(ValueError):
+        Recipe(target="bf16")
+    with pytest.raises(ValueError):
+        Recipe(scale_mode="nearest")
+
+
+def test_stat_cache_avoids_rehashing(tmp_path, count_hashes):
+    src = write_source(tmp_path / "m")
+    n = len(list(keys_mod.iter_source_files(src)))
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
+    first = cache.identity(src)
+    assert first.hashed_files == n and len(count_hashes) == n
+    count_hashes.clear()
+    # a new Cache object (another process, after a restart) reads the persisted stat cache
+    second = Cache(tmp_path / "cache", budget_bytes="1G").identity(src)
+    assert second == first
+    assert second.hashed_files == 0 and second.hashed_bytes == 0
+    assert count_hashes == []
+    assert list((tmp_path / "cache" / "stat-cache").glob("*.json"))
+    # touching one file re-hashes that file only
+    f = src / "tokenizer.json"
+    t = time.time() - 30
+    os.utime(f, (t, t))
+    third = cache.identity(src)
+    assert third == first and count_hashes == [str(f)]
+
+
+def test_recently_modified_files_are_not_remembered(tmp_path, count_hashes):
+    """A file modified within the timestamp granularity of its last hash is hashed again next time."""
+    src = write_source(tmp_path / "m", backdate_s=0)
+    sc = StatCache(tmp_path / "sc")
+    source_identity(src, stat_cache=sc)
+    n = len(count_hashes)
+    source_identity(src, stat_cache=sc)
+    assert len(count_hashes) == 2 * n
+
+
+def test_same_size_same_mtime_rewrite_is_detected_by_ctime(tmp_path):
+    src = write_source(tmp_path / "m")
+    sc = StatCache(tmp_path / "sc")
+    k1 = cache_key(source_identity(src, stat_cache=sc), Recipe())
+    f = src / "model-00001-of-00002.safetensors"
+    st = f.stat()
+    f.write_bytes(b"\xff" * st.st_size)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    time.sleep(0.01)
+    ident = source_identity(src, stat_cache=sc)
+    assert ident.hashed_files == 1
+    assert cache_key(ident, Recipe()) != k1
+
+
+def _hub_repo(root: Path, files: dict[str, bytes], rev: str) -> Path:
+    """Build a huggingface_hub cache repo: blobs named by sha256 (LFS) or git blob sha1 (small files)."""
+    repo = root / "models--org--model"
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap = repo / "snapshots" / rev
+    for rel, data in files.items():
+        if rel.endswith(".safetensors"):
+            blob = hashlib.sha256(data).hexdigest()
+        else:
+            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        link = snap / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        depth = rel.count("/") + 2
+        link.symlink_to(Path(*[".."] * depth) / "blobs" / blob)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_hub_cache_snapshot_uses_blob_digests_without_reading(tmp_path, count_hashes):
+    files = {
+        "model.safetensors": os.urandom(50_000),
+        "config.json": b'{"model_type": "fake"}',
+        "sub/tokenizer_config.json": b"{}",
+    }
+    snap = _hub_repo(tmp_path / "hub", files, "a" * 40)
+    ident = source_identity(snap)
+    assert count_hashes == [] and ident.hashed_files == 0
+    by_name = {f.name: f for f in ident.files}
+    assert by_name["model.safetensors"].digest == "hf-sha256:" + hashlib.sha256(files["model.safetensors"]).hexdigest()
+    assert by_name["config.json"].digest.startswith("hf-git-sha1:")
+    assert len(by_name["config.json"].digest) == len("hf-git-sha1:") + 40
+    assert by_name["sub/tokenizer_config.json"].digest.startswith("hf-git-sha1:")
+    assert by_name["model.safetensors"].size == 50_000
+    # a second revision with the same blobs is the same content
+    snap2 = _hub_repo(tmp_path / "hub", files, "b" * 40)
+    assert cache_key(source_identity(snap2), Recipe()) == cache_key(ident, Recipe())
+    # one changed LFS blob (new sha256) gives a new key
+    files2 = dict(files, **{"model.safetensors": files["model.safetensors"][:-1] + b"\0"})
+    snap3 = _hub_repo(tmp_path / "hub", files2, "c" * 40)
+    assert cache_key(source_identity(snap3), Recipe()) != cache_key(ident, Recipe())
+    assert count_hashes == []
+
+
+def test_symlinks_outside_a_hub_layout_are_hashed(tmp_path, count_hashes):
+    data = tmp_path / "blobs" / ("0" * 64)  # looks like a blob, but not in a hub repo of this snapshot
+    data.parent.mkdir()
+    data.write_bytes(b"x" * 100)
+    src = tmp_path / "plain"
+    src.mkdir()
+    (src / "model.safetensors").symlink_to(data)
+    ident = source_identity(src)
+    assert ident.files[0].digest.startswith("blake3:")
+    assert count_hashes == [str(src / "model.safetensors")]
+
+
+def test_bad_sources_are_refused(tmp_path):
+    with pytest.raises(SourceError, match="does not exist"):
+        source_identity(tmp_path / "missing")
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(SourceError, match="not a directory"):
+        source_identity(tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="no files"):
+        source_identity(tmp_path / "empty")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "model.safetensors").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(SourceError, match="broken symlink"):
+        source_identity(tmp_path / "broken")
+
+
+def test_keys_cannot_traverse(tmp_path):
+    cache = Cache(tmp_path / "cache", budget_bytes="1G")
+    for bad in ["../../etc", "", "ABCDEF0123456789ABCDEF0123456789", "0" * 31, "0" * 33, "0" * 31 + "/", None]:
+        with pytest.raises(InvalidKeyError):
+            validate_key(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidKeyError):
+            cache.get(bad)  # type: ignore[arg-type]
+    assert validate_key("0123456789abcdef0123456789abcdef")
+
+
+def test_warm_lookup_is_fast(tmp_path):
+    files = {f"model-{i:05d}-of-00040.safetensors": os.urandom(4096) for i in range(40)}
+    files["config.json"] = b"{}"
+    src = write_source(tmp_path / "m", files)
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
+    entry = cache.get_or_convert(src)
+    times = []
+    for _ in range(30):
+        t = time.perf_counter()
+        hit = cache.lookup(src)
+        times.append(time.perf_counter() - t)
+        assert hit is not None and hit.key == entry.key
+    times.sort()
+    assert times[len(times) // 2] < 0.010, f"median warm lookup {times[len(times) // 2] * 1e3:.2f} ms"
+
+
+def test_hub_local_dir_download_uses_recorded_etags(tmp_path, count_hashes):
+    """`hf download --local-dir` records etags in .cache/huggingface/download/<name>.metadata."""
+    files = {"model.safetensors": os.urandom(20_000), "config.json": b'{"model_type": "fake"}'}
+    local = write_source(tmp_path / "local", files)
+    meta = local / ".cache" / "huggingface" / "download"
+    meta.mkdir(parents=True)
+    etags = {
+        "model.safetensors": hashlib.sha256(files["model.safetensors"]).hexdigest(),
+        "config.json": hashlib.sha1(b"blob %d\0" % len(files["config.json"]) + files["config.json"]).hexdigest(),
+    }
+    for name, etag in etags.items():
+        (meta / f"{name}.metadata").write_text(f"{'c' * 40}\n{etag}\n{time.time()}\n")
+    ident = source_identity(local)
+    assert count_hashes == []
+    assert {f.name: f.digest for f in ident.files} == {
+        "model.safetensors": "hf-sha256:" + etags["model.safetensors"],
+        "config.json": "hf-git-sha1:" + etags["config.json"],
+    }
+    # the same revision in the hub cache layout has the same key
+    snap = _hub_repo(tmp_path / "hub", files, "d" * 40)
+    assert cache_key(source_identity(snap), Recipe()) == cache_key(ident, Recipe())
+    # a file modified after its download record is hashed instead
+    f = local / "config.json"
+    f.write_bytes(b'{"model_type": "edited"}')
+    later = time.time() + 10
+    os.utime(f, (later, later))
+    edited = {x.name: x.digest for x in source_identity(local).files}
+    assert edited["config.json"].startswith("blake3:") and edited["model.safetensors"].startswith("hf-sha256:")
+    assert count_hashes == [str(f)]

@@ -1,0 +1,61 @@
+"""The cache with the real converter (transformd.checkpoint.convert_checkpoint) on the sample checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from safetensors import safe_open
+
+from transformd.cache import Cache, ConversionStatus, Recipe
+from transformd.checkpoint import convert_checkpoint
+from transformd.safetensors_io import CheckpointError
+from transformd.sample import write_sample_checkpoint
+
+
+def _tree(d):
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target", ["fnuz", "ocp"])
+def test_real_conversion_into_the_cache(tmp_path, target):
+    src = write_sample_checkpoint(tmp_path / "sample")
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", device="cpu")
+    updates: list[ConversionStatus] = []
+    entry = cache.get_or_convert(src, Recipe(target=target), progress=updates.append)
+    assert entry.outcome == "converted"
+    # byte-identical to converting directly
+    direct = convert_checkpoint(src, tmp_path / "direct", target=target, device="cpu")
+    assert _tree(entry.path) == _tree(direct.out)
+    assert entry.manifest.total_bytes == sum(len(b) for b in _tree(direct.out).values())
+    # the converter's result is in the manifest, with the final path
+    result = entry.manifest.result
+    assert result["target"] == target and result["converted"] == direct.converted
+    assert result["out"] == str(entry.path)
+    # progress came from the converter (tensor counts) through the cache
+    details = [u.detail for u in updates if u.state == "converting" and u.detail]
+    assert details and details[-1]["tensors_done"] == details[-1]["tensors_total"]
+    with safe_open(str(entry.path / "model-00002-of-00002.safetensors"), "pt") as f:
+        names = list(f.keys())
+        assert any(n.endswith("weight_scale_inv") for n in names)
+        assert not any(n.endswith(".weight_scale") for n in names)
+    cfg = json.loads((entry.path / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    # a second call is a hit; the entry verifies
+    again = cache.get_or_convert(src, Recipe(target=target))
+    assert again.outcome == "hit" and again.path == entry.path
+    assert [r.ok for r in cache.verify()] == [True]
+
+
+def test_invalid_checkpoint_leaves_the_cache_empty(tmp_path):
+    src = write_sample_checkpoint(tmp_path / "sample")
+    shard = src / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 1000)
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", device="cpu")
+    with pytest.raises(CheckpointError):
+        cache.get_or_convert(src)
+    assert os.listdir(cache.entries_dir) == [] and os.listdir(cache.staging_dir) == []
+    st = cache.status(cache.key_for(src))
+    assert st.state == "failed" and st.error_type == "CheckpointError"

@@ -1,0 +1,146 @@
+"""Content-addressed cache of converted checkpoints on local disk.
+
+One conversion per checkpoint per node: an entry is keyed by the *content* of the source
+checkpoint and the recipe (target, scale mode, tensor selection, transformd's format version),
+produced once under a cross-process single-flight lock, published by an atomic rename, kept
+within a byte budget by LRU eviction that never removes a leased entry, and checked against
+its manifest by ``verify``.
+
+Quick use::
+
+    from transformd.cache import Cache, Recipe
+    cache = Cache()                                   # root from $TRANSFORMD_CACHE_DIR or ~/.cache/transformd
+    entry = cache.get_or_convert("/models/X", Recipe(target="fnuz"))
+    print(entry.path)                                 # the converted checkpoint directory
+    with cache.lease(entry.key):                      # protects it from eviction while in use
+        ...
+
+Root directory
+--------------
+``Cache(root)`` > ``$TRANSFORMD_CACHE_DIR`` > ``$XDG_CACHE_HOME/transformd`` > ``~/.cache/transformd``.
+Put it on local NVMe; the files are served memory-mapped.
+
+On-disk layout (everything a person needs can be read with ``ls`` and ``cat``)
+------------------------------------------------------------------------------
+::
+
+    <root>/
+      CACHEDIR.TAG                     marks the directory as a cache (backup tools skip it)
+      config.json                      {"budget_bytes": ...}; written once when the root is created
+      entries/<key>/                   one published entry; <key> = 32 hex digits
+        manifest.json                  read-only: recipe, source files (name, size, content id) and
+                                       source path (a hint only), every output file's size and blake3
+                                       digest, timings, the converter's result (error report), created_at
+        checkpoint/                    read-only: the converted checkpoint (config.json, *.safetensors,
+                                       index, tokenizer, ...): give this path to the engine
+      staging/<key>.<pid>.<rand>/      a conversion in progress (becomes entries/<key> by rename)
+      staging/<key>.<pid>.<rand>.json  its owner (pid, host, boot id, start time), reserved bytes and
+                                       progress (state, converter's latest update), rewritten <= 4x/s
+      locks/<key>.lock                 flock held by the converting process (JSON owner inside);
+                                       exists only while a conversion runs
+      locks/gc.lock                    flock serialising eviction/removal/quarantine against new leases
+      leases/<key>/<lease id>.json     {expires_at, owner process or null, holder}: protects <key>
+      quarantine/<key>.<utc>.<rand>/   entries that failed verify, with QUARANTINED.txt (never served)
+      trash/                           entries being deleted (renamed here first, then removed)
+      failures/<key>.json              the last failed conversion of <key> (error type, message, time)
+      stat-cache/<hash of src path>.json
+                                       (dev, inode, size, mtime_ns, ctime_ns) -> content id per file of
+                                       one source directory, so unchanged sources are not re-read
+
+Rules
+-----
+- Keys (:mod:`.keys`): blake3 over the recipe and the sorted list of (relative name, size, content
+  id) of every non-hidden file under the source directory (recursively, following symlinks).
+  Content ids are ``blake3:`` of the bytes, or for Hugging Face hub snapshots (symlinks into
+  ``blobs/``) the blob name, ``hf-sha256:`` (LFS) or ``hf-git-sha1:`` (small files), unread; the
+  same for ``hf download --local-dir`` directories, from the etags huggingface_hub records there.
+- Publishing: the converter writes ``staging/<name>/checkpoint``; every file is digested,
+  fsynced and made read-only (0444; directories 0555), ``manifest.json`` is written and fsynced,
+  the staging directory is fsynced and renamed to ``entries/<key>``, and ``entries/`` is fsynced.
+  Only ``entries/`` is ever served, so a half-written entry is never visible. A second finisher
+  finds the entry present and discards its own staging.
+- Single flight: one process per key holds ``locks/<key>.lock``; the others poll, report its
+  progress, and return the same entry. A lock held by a dead process is released by the kernel,
+  so the next caller takes over. Staging and locks left by dead processes are removed when a
+  :class:`Cache` is created and before every conversion.
+- Last use: the modification time of ``entries/<key>/`` (set on every lookup; ``ls -lt entries``
+  lists entries most recently used first).
+- Budget: ``Cache(budget_bytes=)`` > ``$TRANSFORMD_CACHE_BUDGET`` > ``config.json`` (written at
+  creation as 90% of the file system's free space then). Sizes accept ``500G``, ``1.5TiB``,
+  ``80%`` (of the file system). Before a conversion, room for about the source's size is made by
+  evicting least-recently-used entries without a live lease; if even that cannot make room,
+  :class:`CacheFullError` is raised and nothing is evicted. Conversions in progress reserve their
+  estimate. A live lease has not expired and its holder process is not known to be dead.
+- Disk full during a conversion or its publish: :class:`DiskFullError` naming the cache and the
+  bytes needed; the staging directory is removed; entries are untouched.
+- Integrity: ``verify`` re-hashes entries against their manifests and moves corrupt ones to
+  ``quarantine/``.
+"""
+
+from ._fs import human_bytes, parse_size
+from .errors import (
+    CacheError,
+    CacheFullError,
+    CacheTimeoutError,
+    ConversionFailedError,
+    DiskFullError,
+    EntryLeasedError,
+    EntryNotFoundError,
+    InvalidKeyError,
+    SourceError,
+)
+from .keys import FileRecord, Recipe, SourceIdentity, cache_key, source_identity, validate_key
+from .lease import Lease
+from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest
+from .store import (
+    CURRENT_PROCESS,
+    ENV_BUDGET,
+    ENV_CACHE_DIR,
+    Cache,
+    CacheUsage,
+    CleanupReport,
+    ConversionStatus,
+    Converter,
+    Entry,
+    GcReport,
+    TransformdConverter,
+    VerifyResult,
+    default_root,
+)
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "CURRENT_PROCESS",
+    "ENV_BUDGET",
+    "ENV_CACHE_DIR",
+    "MANIFEST_NAME",
+    "Cache",
+    "CacheError",
+    "CacheFullError",
+    "CacheTimeoutError",
+    "CacheUsage",
+    "CleanupReport",
+    "ConversionFailedError",
+    "ConversionStatus",
+    "Converter",
+    "DiskFullError",
+    "Entry",
+    "EntryLeasedError",
+    "EntryNotFoundError",
+    "FileRecord",
+    "GcReport",
+    "InvalidKeyError",
+    "Lease",
+    "Manifest",
+    "Recipe",
+    "SourceError",
+    "SourceIdentity",
+    "TransformdConverter",
+    "VerifyResult",
+    "cache_key",
+    "default_root",
+    "human_bytes",
+    "parse_size",
+    "source_identity",
+    "validate_key",
+]
