@@ -127,6 +127,18 @@ def run_shape(name, e, n, k, args, rows, checks, results):
         torch.cuda.empty_cache()
 
 
+def large_matrix_check(checks):
+    """A 2-D weight with more than 2**31 elements: 64-bit offsets where they are needed."""
+    n, k = 2**31 // 7168 + 200, 7168
+    q, s = random_mx(1, n, k, DEV, seed=2)
+    q, s = q[0], s[0]
+    for mode in ("exact", "amax"):
+        ref = convert_reference(q, s, "fnuz", mode)
+        for kern in ("portable", "ptx"):
+            checks.append((f"2-D {n}x{k}", mode, f"triton {kern} == reference", same(convert_triton(q, s, "fnuz", mode, kernel=kern), ref)))
+        del ref
+
+
 def quantize_activations_1x128(x: torch.Tensor):
     """Dynamic per-token, per-128-column FP8 quantization (what block-FP8 engines do)."""
     m, k = x.shape
@@ -216,6 +228,8 @@ def main() -> int:
     for name, (e, n, k) in shapes.items():
         run_shape(name, e, n, k, args, rows, checks, results)
     matmul_check(results, *((256, 512, 64) if args.smoke else ()))
+    if not args.smoke:
+        large_matrix_check(checks)
 
     print(f"\n{'shape':<16} {'variant':<44} {'ms':>9} {'G elem/s':>9} {'GB/s':>7} {'of copy':>8} {'x PR path':>9}")
     for name, label, ms, ges, gbs, frac, speed in rows:

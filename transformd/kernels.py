@@ -138,15 +138,16 @@ def _mx_to_block_fp8_kernel(
     KB = K // BLOCK_
     NB: tl.constexpr = TILE_ // BLOCK_
 
-    # One expert's matrix at a time; 64-bit base offsets, 32-bit within it.
-    q_ptr += pid_e * N * K
-    out_ptr += pid_e * N * K
-    s_ptr += pid_e * N * KB
+    # 64-bit offset of the tile's first row; 32-bit offsets within the tile.
+    row0 = pid_e * N + pid_n * TILE_
+    q_ptr += row0 * K
+    out_ptr += row0 * K
+    s_ptr += row0 * KB
 
-    rows = pid_n * TILE_ + tl.arange(0, TILE_)
+    rows = tl.arange(0, TILE_)
     blks = pid_k * NB + tl.arange(0, NB)
     lane = tl.arange(0, BLOCK_)
-    smask = (rows[:, None] < N) & (blks[None, :] < KB)  # [TILE, NB]
+    smask = (pid_n * TILE_ + rows[:, None] < N) & (blks[None, :] < KB)  # [TILE, NB]
     qmask = smask[:, :, None]  # [TILE, NB, 1], broadcast over the block
     q_off = rows[:, None, None] * K + blks[None, :, None] * BLOCK_ + lane[None, None, :]
     s_off = rows[:, None] * KB + blks[None, :]
@@ -282,14 +283,15 @@ def _mx_to_block_fp8_ptx_kernel(
     NB: tl.constexpr = TILE_ // BLOCK_
     WB: tl.constexpr = BLOCK_ // 4
 
-    q_ptr = q_ptr.to(tl.pointer_type(tl.int32)) + pid_e * N * KW
-    out_ptr = out_ptr.to(tl.pointer_type(tl.int32)) + pid_e * N * KW
-    s_ptr += pid_e * N * KB
+    row0 = pid_e * N + pid_n * TILE_
+    q_ptr = q_ptr.to(tl.pointer_type(tl.int32)) + row0 * KW
+    out_ptr = out_ptr.to(tl.pointer_type(tl.int32)) + row0 * KW
+    s_ptr += row0 * KB
 
-    rows = pid_n * TILE_ + tl.arange(0, TILE_)
+    rows = tl.arange(0, TILE_)
     blks = pid_k * NB + tl.arange(0, NB)
     lane = tl.arange(0, WB)
-    smask = (rows[:, None] < N) & (blks[None, :] < KB)
+    smask = (pid_n * TILE_ + rows[:, None] < N) & (blks[None, :] < KB)
     wmask = smask[:, :, None]
     w_off = rows[:, None, None] * KW + blks[None, :, None] * WB + lane[None, None, :]
     s_off = rows[:, None] * KB + blks[None, :]
