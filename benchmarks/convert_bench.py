@@ -39,6 +39,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _child_env() -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH (keeping what was there)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 sys.path.insert(0, str(REPO))
 
 GiB = 1 << 30
@@ -282,7 +288,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 def cache_available() -> str | None:
     """None when transformd.cache imports here; else why not."""
     proc = subprocess.run([sys.executable, "-c", "import transformd.cache"], capture_output=True, text=True,
-                          cwd=REPO, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          cwd=REPO, check=False, env=_child_env())
     return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["import failed"])[-1]
 
 
