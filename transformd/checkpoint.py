@@ -1254,10 +1254,9 @@ def _rewrite_index(index: dict[str, Any], output_tensors: dict[str, tuple[str, i
 
 
 def _transformd_record(run: _Run, select: str | None) -> dict[str, Any]:
-    from . import __version__
-
+    # No package version here: the output's bytes must depend only on what the cache key
+    # covers (source content, recipe, FORMAT_VERSION), so releases share cache entries.
     record: dict[str, Any] = {
-        "version": __version__,
         "format_version": FORMAT_VERSION,
         "target": run.target.value,
         "scale_mode": run.scale_mode.value,
