@@ -412,3 +412,36 @@ def test_assign_shards_of_a_real_plan(tmp_path: Path) -> None:
     groups = checkpoint._assign_shards(plan.shards, 2)
     assert all(groups) and sorted(s.name for g in groups for s in g) == [s.name for s in plan.shards]
     assert read_header(plan.src / groups[0][0].name).file_size > 0
+
+
+class _ReverseOrder:
+    """A ShardOrder that always picks the last pending shard and records every call."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[str]] = []
+        self.finished: list[tuple[str, Path, bytes]] = []
+
+    def next(self, pending):
+        self.asked.append(list(pending))
+        return pending[-1]
+
+    def done(self, name, path):
+        self.finished.append((name, Path(path), Path(path).read_bytes()))
+
+
+def test_shard_order_reorders_shards_and_reports_final_files(tmp_path: Path) -> None:
+    """The hook behind the daemon's just-in-time shards: order changes, bytes do not."""
+    src = sample(tmp_path / "src")
+    order = _ReverseOrder()
+    out = tmp_path / "out"
+    convert_checkpoint(src, out, device="cpu", shard_order=order)
+    shards = [s.name for s in plan_conversion(src).shards]
+    assert len(shards) > 2
+    assert order.asked == [shards[:n] for n in range(len(shards), 0, -1)]  # before each shard, with what is left
+    assert [name for name, _, _ in order.finished] == shards[::-1]
+    for name, path, data in order.finished:
+        assert path.name == name and data == (out / name).read_bytes()  # final when reported
+    expected = tmp_path / "expected"
+    convert_checkpoint(src, expected, device="cpu")
+    assert_same_shards(expected, out)
+    assert isinstance(order, checkpoint.ShardOrder)

@@ -69,7 +69,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 import torch
 
@@ -92,6 +92,7 @@ __all__ = [
     "ConversionResult",
     "MxPair",
     "Progress",
+    "ShardOrder",
     "ShardPlan",
     "convert_checkpoint",
     "plan_conversion",
@@ -486,6 +487,22 @@ class _Tally:
             self.buffers_peak = max(self.buffers_peak, self.buffers)
 
 
+@runtime_checkable
+class ShardOrder(Protocol):
+    """Chooses the next shard of a running conversion and hears of each finished one.
+
+    ``next(pending)`` is called from a conversion thread right before a shard is
+    started, with the names not started yet in index order; it returns one of them.
+    ``done(name, path)`` is called once the output shard ``path`` (in the staging
+    directory) is completely written and fsynced; the file keeps its inode through
+    the renames that publish the checkpoint, so a reader that opened it stays valid.
+    """
+
+    def next(self, pending: Sequence[str]) -> str: ...
+
+    def done(self, name: str, path: Path) -> None: ...
+
+
 @dataclass
 class _Run:
     """State of one conversion, kept by the calling thread (stage threads only add to ``tally``)."""
@@ -497,6 +514,7 @@ class _Run:
     chunk_bytes: int
     host_memory_bytes: int
     progress: Callable[[Progress], None] | None
+    shard_order: ShardOrder | None = None
     tally: _Tally = field(default_factory=_Tally)
     tensors_done: int = 0
     bytes_done: int = 0
@@ -523,6 +541,7 @@ def convert_checkpoint(
     progress: Callable[[Progress], None] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES,
+    shard_order: ShardOrder | None = None,
 ) -> ConversionResult:
     """Convert the MXFP8 checkpoint directory ``src`` into a block-FP8 checkpoint directory ``out``.
 
@@ -542,6 +561,10 @@ def convert_checkpoint(
 
     ``progress`` is called on the calling thread with a :class:`Progress` as each
     tensor leaves the converter (the writer trails it by at most the buffers).
+
+    ``shard_order`` (see :class:`ShardOrder`) lets a caller change the order of the
+    shards while the conversion runs and learn when each output shard is final, so
+    that a shard can be served before the whole checkpoint is done.
     """
     started = time.monotonic()
     target, scale_mode = Target(target), ScaleMode(scale_mode)
@@ -552,7 +575,9 @@ def convert_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.transformd-staging-{uuid.uuid4().hex[:12]}"
     staging.mkdir()
-    run = _Run(plan, staging, target, scale_mode, max(1, chunk_bytes), max(1, host_memory_bytes), progress)
+    run = _Run(
+        plan, staging, target, scale_mode, max(1, chunk_bytes), max(1, host_memory_bytes), progress, shard_order
+    )
     try:
         _convert_shards(run, devices)
         _write_metadata_files(run, select)
@@ -1079,8 +1104,11 @@ class _Lane:
 
     def read(self) -> None:
         files = _OpenFiles(self.run.plan.src)
+        pending = list(self.shards)
         try:
-            for shard in self.shards:
+            while pending:
+                shard = self._next_shard(pending)
+                pending.remove(shard)
                 if not shard.rewrite:
                     self.to_converter.put(_CopyShard(shard))
                     continue
@@ -1096,6 +1124,13 @@ class _Lane:
         finally:
             files.close()
         self.to_converter.put(_END)
+
+    def _next_shard(self, pending: list[ShardPlan]) -> ShardPlan:
+        """The caller's choice through ``shard_order`` (a name it does not know: index order)."""
+        if self.run.shard_order is None:
+            return pending[0]
+        name = self.run.shard_order.next([s.name for s in pending])
+        return next((s for s in pending if s.name == name), pending[0])
 
     def _read_pair(self, pair: MxPair, files: _OpenFiles) -> None:
         units = _units(pair.weight.shape, self.sizes.piece_bytes)
@@ -1194,10 +1229,14 @@ class _Lane:
         """Make each file the writer has finished durable, while the writer goes on with the next."""
         while (item := self.to_syncer.get()) is not _END:
             if isinstance(item, Path):
-                self.run.tally.add(written=_fsync_file(item))
+                path = item
+                self.run.tally.add(written=_fsync_file(path))
             else:
                 item.close()  # SafetensorsWriter: checks every tensor is complete, fsyncs, closes
+                path = item.path
                 self.run.tally.add(written=item.bytes_written)
+            if self.run.shard_order is not None:
+                self.run.shard_order.done(path.name, path)
 
 
 class _OpenFiles:
