@@ -30,7 +30,7 @@ from .safetensors_io import CheckpointError
 __all__ = ["EXTENSION_MODULES", "add_commands", "build_parser", "main"]
 
 #: Modules whose ``add_commands(subparsers)`` is called after this module's (e.g. a cache command group).
-EXTENSION_MODULES: tuple[str, ...] = ("transformd.cache.cli",)
+EXTENSION_MODULES: tuple[str, ...] = ("transformd.cache.cli", "transformd.api.cli", "transformd.api.resolve")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -134,6 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(err, EXIT_BAD_INPUT)
     except (OSError, RuntimeError) as err:
         return _fail(err, EXIT_FAILURE)
+    except Exception as err:
+        from .cache.errors import CacheError
+
+        if isinstance(err, CacheError):  # cache or disk full, cache directory read-only or removed, ...
+            return _fail(err, EXIT_FAILURE)
+        raise
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
 

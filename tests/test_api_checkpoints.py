@@ -1,0 +1,377 @@
+"""The daemon over HTTP on a unix socket: resolve, status, the mmap file tables, leases, cache, health, metrics.
+
+Every test starts the real daemon (uvicorn on a temporary unix socket, in a thread) and converts the
+sample checkpoint with the real converter on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from transformd.api.settings import Settings
+from transformd.api.testing import DaemonThread, metric_value, raw_request, short_tempdir, wait_ready
+from transformd.sample import write_sample_checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("TRANSFORMD_"):
+            monkeypatch.delenv(k)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    write_sample_checkpoint(root / "sample", layers=2, experts=4, shards=2)
+    return root
+
+
+@pytest.fixture
+def start(tmp_path: Path, models: Path) -> Iterator[Callable[..., DaemonThread]]:
+    daemons: list[tuple[DaemonThread, Path]] = []
+
+    def start(**settings: object) -> DaemonThread:
+        run = short_tempdir()
+        base: dict[str, object] = {
+            "socket": run / "sub" / "td.sock",
+            "cache_dir": tmp_path / "cache",
+            "allow_roots": [models],
+            "device": "cpu",
+            "log_level": "warning",
+        }
+        base.update(settings)
+        daemon = DaemonThread(Settings(**base)).start()
+        daemons.append((daemon, run))
+        return daemon
+
+    yield start
+    for daemon, run in daemons:
+        daemon.stop()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def _resolve(http, source: Path, **recipe: object) -> dict:
+    r = http.post("/v1/checkpoints", json={"source": str(source), **recipe})
+    assert r.status_code in (200, 202), r.text
+    body = r.json()
+    if r.status_code == 202:
+        body = wait_ready(http, body["key"])
+    assert body["state"] == "ready", body
+    return body
+
+
+def test_cold_request_is_accepted_then_ready_then_a_cache_hit(start, models: Path) -> None:
+    daemon = start()
+    src = models / "sample"
+    with daemon.client() as http:
+        r = http.post("/v1/checkpoints", json={"source": str(src)})
+        assert r.status_code == 202, r.text
+        body = r.json()
+        assert len(body["key"]) == 32 and body["state"] in ("queued", "converting")
+        assert r.headers["location"] == f"/v1/checkpoints/{body['key']}"
+        assert set(body["progress"]) >= {
+            "tensors_done",
+            "tensors_total",
+            "bytes_done",
+            "bytes_total",
+            "rate_bytes_per_s",
+            "eta_s",
+        }
+        ready = wait_ready(http, body["key"])
+        assert ready["state"] == "ready" and ready["error"] is None
+        assert Path(ready["path"]).is_dir() and (Path(ready["path"]) / "config.json").is_file()
+        assert ready["recipe"]["target"] == "fnuz" and ready["source"] == str(src)
+        assert ready["progress"]["tensors_done"] == ready["progress"]["tensors_total"] > 0
+
+        r = http.post("/v1/checkpoints", json={"source": str(src), "target": "fnuz", "scale_mode": "exact"})
+        assert r.status_code == 200, r.text
+        hit = r.json()
+        assert hit["key"] == body["key"] and hit["state"] == "ready" and hit["path"] == ready["path"]
+        assert hit["files_url"] == f"/v1/checkpoints/{body['key']}/files" and hit["size_bytes"] > 0
+
+        other = http.post("/v1/checkpoints", json={"source": str(src), "target": "ocp"})
+        assert other.status_code == 202 and other.json()["key"] != body["key"]
+        assert wait_ready(http, other.json()["key"])["state"] == "ready"
+
+        metrics = http.get("/metrics").text
+    assert metric_value(metrics, "transformd_cache_hits_total") == 1
+    assert metric_value(metrics, "transformd_cache_misses_total") == 2
+    assert metric_value(metrics, "transformd_conversions_total", {"outcome": "converted"}) == 2
+    assert metric_value(metrics, "transformd_conversion_seconds_count") == 2
+    assert metric_value(metrics, "transformd_converted_bytes_total") > 0
+    assert metric_value(metrics, "transformd_cache_bytes") > 0
+    assert metric_value(metrics, "transformd_conversions_in_progress") == 0
+
+
+def _independent_header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def test_files_tables_agree_with_the_safetensors_headers_and_bytes(start, models: Path) -> None:
+    daemon = start()
+    with daemon.client() as http:
+        entry = _resolve(http, models / "sample")
+        r = http.get(entry["files_url"])
+        assert r.status_code == 200
+        files = r.json()
+        one = http.get(f"{entry['files_url']}/model-00002-of-00002.safetensors")
+        assert one.status_code == 200 and one.json()["name"] == "model-00002-of-00002.safetensors"
+    assert files["key"] == entry["key"] and files["state"] == "ready"
+    names = sorted(f["name"] for f in files["files"])
+    assert names == sorted(p.name for p in Path(entry["path"]).glob("*.safetensors")) and len(names) == 2
+    manifest = json.loads((Path(entry["path"]).parent / "manifest.json").read_text())
+    digests = {f["name"]: f["digest"] for f in manifest["output"]["files"]}
+    for f in files["files"]:
+        path = Path(f["path"])
+        assert path.is_absolute() and path.parent == Path(entry["path"]) and f["ready"] is True
+        assert f["final_path"] == f["path"] and f["size"] == path.stat().st_size and f["digest"] == digests[f["name"]]
+        data_start, header = _independent_header(path)
+        assert set(f["tensors"]) == set(header)
+        raw = path.read_bytes()
+        with safe_open(str(path), framework="pt") as st:
+            assert set(st.keys()) == set(header)
+            for name, t in f["tensors"].items():
+                begin, end = header[name]["data_offsets"]
+                assert t["dtype"] == header[name]["dtype"] and t["shape"] == header[name]["shape"]
+                assert t["offsets"] == [data_start + begin, data_start + end]
+                tensor = st.get_tensor(name)
+                assert list(tensor.shape) == t["shape"]
+                view = raw[t["offsets"][0] : t["offsets"][1]]
+                assert tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == view, name
+    assert any(t["dtype"] == "F8_E4M3FNUZ" for f in files["files"] for t in f["tensors"].values())
+    assert one.json() == next(f for f in files["files"] if f["name"] == "model-00002-of-00002.safetensors")
+
+
+def test_status_and_unknown_keys_files_and_bad_names(start, models: Path) -> None:
+    daemon = start()
+    with daemon.client() as http:
+        entry = _resolve(http, models / "sample")
+        key = entry["key"]
+        assert http.get(f"/v1/checkpoints/{key}").json()["state"] == "ready"
+        unknown = "0" * 32
+        for url in (
+            f"/v1/checkpoints/{unknown}",
+            f"/v1/checkpoints/{unknown}/files",
+            f"/v1/checkpoints/{unknown}/files/model.safetensors",
+        ):
+            r = http.get(url)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_key", url
+        for bad in ("../../etc", "ABCDEF" * 6, "0" * 31, "0" * 33, "%2e%2e"):
+            r = http.get(f"/v1/checkpoints/{bad}")
+            assert r.status_code in (400, 404), (bad, r.text)
+            assert "error" in r.json()
+        for name in (
+            "..",
+            "...",
+            ".hidden",
+            "a..b",
+            "config.json",
+            "%2e%2e",
+            "..%2Fmanifest.json",
+            "..%2f..%2fmanifest.json",
+            "%2e%2e%2fmanifest.json",
+            "nothere.safetensors",
+            "model-00001-of-00002.safetensors%00",
+        ):
+            status, payload = raw_request(daemon.socket_path, "GET", f"/v1/checkpoints/{key}/files/{name}")
+            assert status == 404, (name, payload)
+            assert json.loads(payload)["error"]["status"] == 404
+        for target in (
+            f"/v1/checkpoints/{key}/files/../../../../etc/passwd",
+            f"/v1/checkpoints/../{key}/files",
+            f"/v1/checkpoints/{key}%2F..%2F..%2Fentries/files",
+            "/v1/checkpoints/%2e%2e/files",
+        ):
+            status, payload = raw_request(daemon.socket_path, "GET", target)
+            assert status in (400, 404), (target, payload)
+            assert b"root:" not in payload
+        r = http.delete(f"/v1/checkpoints/{unknown}")
+        assert r.status_code == 404
+
+
+def test_leases_block_eviction_and_delete(start, models: Path) -> None:
+    daemon = start()
+    cache = daemon.daemon.cache
+    with daemon.client() as http:
+        key = _resolve(http, models / "sample")["key"]
+        r = http.post(f"/v1/checkpoints/{key}/leases", json={"ttl_s": 60, "holder": "vllm rank 0"})
+        assert r.status_code == 201, r.text
+        lease = r.json()
+        assert lease["key"] == key and len(lease["id"]) == 16 and lease["expires_at"] > 0
+        held = cache.leases(key)
+        assert [x.id for x in held] == [lease["id"]] and held[0].owner is None  # expiry only, no pid liveness
+
+        r = http.delete(f"/v1/checkpoints/{key}")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "entry_leased"
+        assert "vllm rank 0" in r.json()["error"]["message"]
+        report = cache.gc(budget_bytes=0)
+        assert report.evicted == [] and cache.get(key, touch=False) is not None
+        listing = http.get("/v1/cache").json()
+        assert [e["key"] for e in listing["entries"]] == [key]
+        assert listing["entries"][0]["leases"][0]["id"] == lease["id"]
+        assert listing["usage_bytes"] == listing["entries"][0]["size_bytes"] > 0
+        assert listing["budget_bytes"] > 0 and listing["free_bytes"] > 0 and listing["root"] == str(cache.root)
+
+        assert http.post(f"/v1/checkpoints/{key}/leases", json={"ttl_s": 10 * 24 * 3600}).status_code == 400
+        assert http.post(f"/v1/checkpoints/{key}/leases", json={"ttl_s": -1}).status_code == 400
+        assert http.post(f"/v1/checkpoints/{'1' * 32}/leases", json={}).status_code == 404
+        assert http.delete(f"/v1/checkpoints/{key}/leases/{'0' * 16}").status_code == 404
+        assert http.delete(f"/v1/checkpoints/{key}/leases/../x").status_code == 404
+        assert http.delete(f"/v1/checkpoints/{key}/leases/{lease['id']}").status_code == 204
+        assert http.delete(f"/v1/checkpoints/{key}/leases/{lease['id']}").status_code == 404
+
+        assert http.delete(f"/v1/checkpoints/{key}").status_code == 204
+        assert http.get(f"/v1/checkpoints/{key}").status_code == 404
+        assert http.get("/v1/cache").json()["entries"] == []
+        # A default lease body works too, and the entry comes back from a new conversion.
+        key2 = _resolve(http, models / "sample")["key"]
+        assert key2 == key
+        assert http.post(f"/v1/checkpoints/{key}/leases").status_code == 201
+
+
+def test_socket_permissions_health_and_metrics(start) -> None:
+    daemon = start()
+    path = daemon.socket_path
+    assert path is not None
+    assert stat.S_ISSOCK(os.stat(path).st_mode) and stat.S_IMODE(os.stat(path).st_mode) == 0o660
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o750
+    with daemon.client() as http:
+        health = http.get("/healthz")
+        assert health.status_code == 200
+        body = health.json()
+        assert body["status"] == "ok" and body["version"] and body["device"] == "cpu"
+        assert body["cache_root"] == str(daemon.daemon.cache.root)
+        r = http.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        for name in (
+            "transformd_conversions_total",
+            "transformd_cache_hits_total",
+            "transformd_cache_misses_total",
+            "transformd_cache_bytes",
+            "transformd_conversion_seconds",
+            "transformd_converted_bytes_total",
+            "transformd_conversions_in_progress",
+        ):
+            assert name in r.text, name
+        assert (
+            metric_value(
+                r.text, "transformd_http_requests_total", {"method": "GET", "route": "/healthz", "status": "200"}
+            )
+            == 1
+        )
+        schema = http.get("/openapi.json").json()
+        assert {
+            "/v1/checkpoints",
+            "/v1/checkpoints/{key}",
+            "/v1/checkpoints/{key}/files",
+            "/v1/checkpoints/{key}/files/{name}",
+            "/v1/checkpoints/{key}/leases",
+            "/v1/checkpoints/{key}/leases/{lease_id}",
+            "/v1/cache",
+            "/healthz",
+            "/metrics",
+        } <= set(schema["paths"])
+    daemon.stop()
+    assert not path.exists()
+
+
+def test_bad_requests_are_400_with_a_message(start, models: Path) -> None:
+    daemon = start()
+    src = str(models / "sample")
+    with daemon.client() as http:
+        cases = [
+            http.post("/v1/checkpoints", content=b"{not json", headers={"content-type": "application/json"}),
+            http.post("/v1/checkpoints", content=b"[1, 2]", headers={"content-type": "application/json"}),
+            http.post("/v1/checkpoints", json={}),
+            http.post("/v1/checkpoints", json={"source": src, "target": "e5m2"}),
+            http.post("/v1/checkpoints", json={"source": src, "scale_mode": "max"}),
+            http.post("/v1/checkpoints", json={"source": src, "colour": "blue"}),
+            http.post("/v1/checkpoints", json={"source": src, "select": "("}),
+            http.post("/v1/checkpoints", json={"source": src, "select": "(a+)+$"}),
+            http.post("/v1/checkpoints", json={"source": src, "select": "x" * 2000}),
+            http.post("/v1/checkpoints", json={"source": "relative/path"}),
+            http.post("/v1/checkpoints", json={"source": "/x\u0000y"}),
+            http.post("/v1/checkpoints", json={"source": 42}),
+        ]
+        for r in cases:
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["status"] == 400 and err["code"] and len(err["message"]) > 10
+        r = http.post("/v1/checkpoints", json={"source": str(models / "missing")})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "source_not_found"
+        r = http.post("/v1/checkpoints", content=b"x" * (1 << 20), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert http.put("/v1/checkpoints").status_code == 405
+        assert http.get("/v2/nothing").status_code == 404
+        assert http.get("/healthz").status_code == 200
+
+
+def _corrupt_copy(models: Path, name: str, how: str) -> Path:
+    dst = models / name
+    if dst.exists():
+        return dst
+    shutil.copytree(models / "sample", dst)
+    if how == "truncate":
+        shard = dst / "model-00001-of-00002.safetensors"
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+        return dst
+    # a NaN e4m3fn code (0x7F) in an MXFP8 weight: the headers are fine, it is found only while converting
+    for shard in sorted(dst.glob("*.safetensors")):
+        data_start, header = _independent_header(shard)
+        weights = [n for n, t in header.items() if t["dtype"] == "F8_E4M3" and n.endswith(".weight")]
+        if weights:
+            with open(shard, "r+b") as f:
+                f.seek(data_start + header[weights[0]]["data_offsets"][0])
+                f.write(b"\x7f")
+            return dst
+    raise AssertionError("the sample has no MXFP8 weight")
+
+
+def _cache_is_empty(root: Path) -> bool:
+    return not any((root / "entries").iterdir()) and not any((root / "staging").iterdir())
+
+
+def test_corrupt_checkpoints_are_422_and_the_daemon_keeps_serving(start, models: Path) -> None:
+    truncated = _corrupt_copy(models, "truncated", "truncate")
+    nan = _corrupt_copy(models, "nan-code", "nan")
+    daemon = start()
+    root = daemon.daemon.cache.root
+    with daemon.client() as http:
+        r = http.post("/v1/checkpoints", json={"source": str(truncated)})
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_checkpoint" and "model-00001-of-00002.safetensors" in err["message"]
+        assert _cache_is_empty(root)
+
+        r = http.post("/v1/checkpoints", json={"source": str(nan)})
+        assert r.status_code == 202, r.text  # the header is fine: the NaN code is found while converting
+        failed = wait_ready(http, r.json()["key"])
+        assert failed["state"] == "failed" and failed["error"]["status"] == 422
+        assert "NaN" in failed["error"]["message"] or "nan" in failed["error"]["message"].lower()
+        again = http.post("/v1/checkpoints", json={"source": str(nan)})
+        assert again.status_code == 422 and again.json()["error"]["code"] == "invalid_checkpoint"
+        assert http.get(f"{failed['files_url']}").status_code == 409
+        assert _cache_is_empty(root)
+
+        assert http.get("/healthz").status_code == 200
+        assert _resolve(http, models / "sample")["state"] == "ready"
+        metrics = http.get("/metrics").text
+    assert metric_value(metrics, "transformd_conversions_total", {"outcome": "invalid"}) == 2

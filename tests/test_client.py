@@ -1,0 +1,382 @@
+"""The client and ``transformd resolve``/``health`` against a fake daemon that speaks the HTTP contract.
+
+The fake (tests/fake_daemon.py) runs under uvicorn on a temporary unix socket and on a loopback
+port with a bearer token; the end-to-end tests against the real daemon live with the daemon.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.fake_daemon import FakeDaemon, ServerThread
+from transformd.api import resolve as resolve_cli
+from transformd.api.client import (
+    CheckpointStatus,
+    ConflictError,
+    ConversionFailedError,
+    DaemonUnavailableError,
+    ForbiddenError,
+    InvalidCheckpointError,
+    NotFoundError,
+    Progress,
+    ResolveTimeoutError,
+    ServerError,
+    TransformdClient,
+    TransformdError,
+    UnauthorizedError,
+    default_socket_path,
+)
+
+TOKEN = "s3cret-token"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def world():
+    """One fake daemon on a unix socket and on 127.0.0.1 (with a token), a models root with sources."""
+    tmp = Path(tempfile.mkdtemp(prefix="tdc"))  # short: unix socket paths are limited to ~107 bytes
+    models, converted = tmp / "models", tmp / "converted"
+    for name in ("good", "good2", "corrupt-ckpt", "slow", "boom", "busy", "hashing"):
+        (models / name).mkdir(parents=True)
+    converted.mkdir()
+    (converted / "config.json").write_text("{}")
+    outside = tmp / "outside"
+    outside.mkdir()
+    daemon = FakeDaemon(models)
+    daemon.register(models / "good", converted)
+    uds = ServerThread(daemon.app(), uds=str(tmp / "td.sock")).start()
+    tcp = ServerThread(daemon.app(token=TOKEN)).start()
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN + "\n")
+    yield {"daemon": daemon, "socket": tmp / "td.sock", "url": tcp.url, "token_file": token_file,
+           "models": models, "converted": converted.resolve(), "outside": outside, "tmp": tmp}
+    uds.stop()
+    tcp.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def client(world):
+    with TransformdClient(socket=world["socket"], timeout=10) as c:
+        yield c
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# resolve
+
+
+def test_resolve_cold_then_cached_over_unix_socket(world, client):
+    daemon = world["daemon"]
+    daemon.forget()
+    before = daemon.conversions
+    seen: list[CheckpointStatus] = []
+    path = client.resolve(world["models"] / "good", target="fnuz", progress=seen.append, poll_interval=0.01)
+    assert path == world["converted"]
+    states = [s.state for s in seen]
+    assert states[0] == "queued" and states[-1] == "ready" and "converting" in states
+    converting = [s for s in seen if s.state == "converting"]
+    assert isinstance(converting[0].progress, Progress) and converting[0].progress.bytes_total == 3000
+    assert daemon.conversions == before + 1
+
+    # Second time: the POST answers 200 ready at once; no poll, no new conversion.
+    seen.clear()
+    assert client.resolve(world["models"] / "good", target="fnuz", progress=seen.append) == world["converted"]
+    assert [s.state for s in seen] == ["ready"]
+    assert daemon.conversions == before + 1
+    assert client.last_key == seen[0].key
+
+
+def test_resolve_over_tcp_with_token_file(world):
+    with TransformdClient(url=world["url"], token_file=world["token_file"]) as c:
+        assert c.resolve(world["models"] / "good", poll_interval=0.01) == world["converted"]
+        assert c.health()["status"] == "ok"
+
+
+def test_token_file_from_environment(world, monkeypatch):
+    monkeypatch.setenv("TRANSFORMD_TOKEN_FILE", str(world["token_file"]))
+    with TransformdClient(url=world["url"]) as c:
+        assert c.health()["status"] == "ok"
+
+
+def test_tcp_without_token_is_401(world):
+    with TransformdClient(url=world["url"]) as c, pytest.raises(UnauthorizedError) as info:
+        c.resolve(world["models"] / "good")
+    assert info.value.status == 401 and info.value.code == "unauthorized" and info.value.is_client_error
+
+
+def test_relative_source_is_sent_absolute(world, client, monkeypatch):
+    monkeypatch.chdir(world["models"])
+    assert client.resolve("good", poll_interval=0.01) == world["converted"]
+
+
+def test_source_outside_allowed_roots_is_403(world, client):
+    with pytest.raises(ForbiddenError) as info:
+        client.resolve(world["outside"])
+    err = info.value
+    assert (err.status, err.code) == (403, "path_not_allowed") and "outside the allowed roots" in err.message
+
+
+def test_symlink_escaping_the_root_is_403(world, client):
+    link = world["models"] / "escape"
+    if not link.exists():
+        link.symlink_to(world["outside"])
+    with pytest.raises(ForbiddenError):
+        client.resolve(link)
+
+
+def test_failed_conversion_carries_the_daemons_error(world, client):
+    with pytest.raises(ConversionFailedError) as info:
+        client.resolve(world["models"] / "corrupt-ckpt", poll_interval=0.01)
+    err = info.value
+    assert (err.status, err.code) == (422, "invalid_checkpoint")
+    assert "tensor x.weight" in err.message and err.is_client_error
+
+
+def test_server_error_is_5xx(world, client):
+    with pytest.raises(ServerError) as info:
+        client.resolve(world["models"] / "boom")
+    assert info.value.status == 500 and not info.value.is_client_error
+
+
+def test_queue_full_is_retried_until_timeout(world, client):
+    daemon = world["daemon"]
+    daemon.busy = 2
+    posts = daemon.posts
+    assert client.resolve(world["models"] / "busy", poll_interval=0.01).name == "busy"
+    assert daemon.posts >= posts + 3 and daemon.busy == 0
+    daemon.busy = 1000
+    with pytest.raises(ServerError) as info:
+        client.resolve(world["models"] / "busy", timeout=0.3)
+    assert info.value.status == 503 and info.value.retry_after == 0.05
+    daemon.busy = 0
+
+
+def test_slow_post_is_not_cut_by_the_request_timeout(world):
+    """Identifying a large source takes the daemon a while: the POST is waited for beyond ``timeout``."""
+    with TransformdClient(socket=world["socket"], timeout=0.2) as c:
+        assert c.resolve(world["models"] / "hashing", poll_interval=0.01).name == "hashing"
+        with pytest.raises(ResolveTimeoutError, match="identifying"):
+            c.resolve(world["models"] / "hashing", target="ocp", timeout=0.3)
+        with pytest.raises(DaemonUnavailableError, match="in time"):
+            c.submit(world["models"] / "hashing", scale_mode="amax", wait_s=0.2)
+
+
+def test_missing_source_is_404(world, client):
+    with pytest.raises(NotFoundError):
+        client.submit(world["models"] / "nope")
+
+
+def test_resolve_timeout(world, client):
+    with pytest.raises(ResolveTimeoutError) as info:
+        client.resolve(world["models"] / "slow", poll_interval=0.01, timeout=0.3)
+    assert "converting" in info.value.message and info.value.status is None
+
+
+def test_resolve_survives_a_daemon_that_forgot_the_key(world, client):
+    daemon = world["daemon"]
+    daemon.forget()
+    calls = []
+
+    def forget_once(status: CheckpointStatus) -> None:
+        calls.append(status.state)
+        if len(calls) == 2:
+            daemon.forget()  # as if the daemon restarted while we poll: the next GET is a 404
+
+    posts = daemon.posts
+    assert client.resolve(world["models"] / "good", progress=forget_once, poll_interval=0.01) == world["converted"]
+    assert daemon.posts == posts + 2
+
+
+def test_unreachable_daemon(world, tmp_path):
+    with TransformdClient(socket=tmp_path / "none.sock", timeout=2) as c, pytest.raises(DaemonUnavailableError) as info:
+        c.health()
+    assert info.value.status is None and "no socket at" in info.value.message
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# status, files, leases, cache
+
+
+def test_status_files_and_file(world, client):
+    client.resolve(world["models"] / "good", poll_interval=0.01)
+    key = client.last_key
+    status = client.status(key)
+    assert status.ready and status.path == world["converted"] and status.recipe["target"] == "fnuz"
+    assert client.files(key) == []  # the fake's converted dir holds no shards
+    with pytest.raises(NotFoundError) as info:
+        client.file(key, "model.safetensors")
+    assert info.value.code == "unknown_file"
+    with pytest.raises(NotFoundError):
+        client.status("0" * 32)
+
+
+def test_lease_context_manager_acquires_and_releases(world, client):
+    daemon = world["daemon"]
+    client.resolve(world["models"] / "good", poll_interval=0.01)
+    key = client.last_key
+    with client.lease(key, ttl_s=60, holder="test") as lease:
+        assert lease.key == key and lease.id in daemon.leases
+        assert daemon.leases[lease.id]["holder"] == "test"
+        with pytest.raises(ConflictError) as info:
+            client.delete(key)  # leased: the daemon refuses
+        assert info.value.status == 409
+    assert lease.id not in daemon.leases
+
+    with pytest.raises(RuntimeError), client.lease(key, ttl_s=60) as lease2:
+        raise RuntimeError("engine crashed")
+    assert lease2.id not in daemon.leases  # released on the way out of an exception too
+    client.release_lease(key, lease2.id)  # already gone: not an error
+
+
+def test_cache_health_metrics(world, client):
+    assert "entries" in client.cache()
+    assert client.health()["status"] == "ok"
+    assert "transformd_conversions_total" in client.metrics()
+
+
+def test_error_classes_by_status():
+    from transformd.api.client import BadRequestError, CacheFullError, error_for_status
+
+    assert isinstance(error_for_status(400, "x"), BadRequestError)
+    assert isinstance(error_for_status(422, "x"), InvalidCheckpointError)
+    assert isinstance(error_for_status(507, "x"), CacheFullError)
+    assert isinstance(error_for_status(503, "x"), ServerError)
+    assert all(isinstance(error_for_status(s, "x"), TransformdError) for s in (400, 401, 403, 404, 409, 422, 507))
+
+
+def test_default_socket_path(tmp_path):
+    assert default_socket_path({"TRANSFORMD_SOCKET": "/x/y.sock", "XDG_RUNTIME_DIR": str(tmp_path)}) == Path("/x/y.sock")
+    expected = tmp_path / "transformd.sock"
+    if Path("/run/transformd/transformd.sock").exists():
+        pytest.skip("a system daemon's socket exists on this machine")
+    assert default_socket_path({"XDG_RUNTIME_DIR": str(tmp_path)}) == expected
+    assert default_socket_path({}) == Path("/run/transformd/transformd.sock")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The command line
+
+
+def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "transformd.api.resolve", *argv], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_cli_resolve_prints_only_the_directory(world):
+    world["daemon"].forget()
+    run = _cli("resolve", str(world["models"] / "good"), "--socket", str(world["socket"]), "--target", "fnuz",
+               "--poll-interval", "0.01", "--progress-every", "0")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [str(world["converted"])]
+    # Not a terminal: progress comes as lines on standard error.
+    lines = run.stderr.splitlines()
+    assert any("queued" in line for line in lines) and any("converting" in line and "%" in line for line in lines)
+
+
+def test_cli_resolve_over_tcp_and_env_socket(world):
+    run = _cli(str(world["models"] / "good"), "--url", world["url"], "--token-file", str(world["token_file"]))
+    assert (run.returncode, run.stdout.strip()) == (0, str(world["converted"])), run.stderr
+    run = _cli(str(world["models"] / "good"), env={"TRANSFORMD_SOCKET": str(world["socket"])})
+    assert (run.returncode, run.stdout.strip()) == (0, str(world["converted"])), run.stderr
+
+
+@pytest.mark.parametrize(
+    ("source", "extra", "code", "needle"),
+    [
+        ("outside", [], 2, "outside the allowed roots"),
+        ("corrupt-ckpt", [], 2, "E8M0 byte 0xFF"),
+        ("boom", [], 1, "something broke"),
+        ("slow", ["--timeout", "0.3"], 1, "gave up waiting"),
+    ],
+)
+def test_cli_resolve_errors(world, source, extra, code, needle):
+    src = world["outside"] if source == "outside" else world["models"] / source
+    run = _cli(str(src), "--socket", str(world["socket"]), "--poll-interval", "0.01", *extra)
+    assert run.returncode == code, run.stderr
+    assert run.stdout == ""
+    errors = [line for line in run.stderr.splitlines() if line.startswith("transformd: error:")]
+    assert len(errors) == 1 and needle in errors[0]
+
+
+def test_cli_resolve_unauthorized_and_unreachable(world, tmp_path):
+    run = _cli(str(world["models"] / "good"), "--url", world["url"])
+    assert run.returncode == 2 and "401" in run.stderr
+    run = _cli(str(world["models"] / "good"), "--socket", str(tmp_path / "none.sock"))
+    assert run.returncode == 1 and "cannot reach transformd" in run.stderr and run.stdout == ""
+
+
+def test_cli_health(world, tmp_path):
+    run = _cli("health", "--socket", str(world["socket"]))
+    assert (run.returncode, run.stdout.strip()) == (0, "ok")
+    run = _cli("health", "--url", world["url"], "--token-file", str(world["token_file"]), "-q")
+    assert (run.returncode, run.stdout) == (0, "")
+    run = _cli("health", "--socket", str(tmp_path / "none.sock"))
+    assert run.returncode == 1 and run.stderr.startswith("transformd: error:")
+
+
+def test_cli_health_degraded_is_still_healthy(world):
+    world["daemon"].health = {"status": "degraded", "version": "0.1.0", "problems": ["no GPU: converting on the CPU"]}
+    try:
+        run = _cli("health", "--socket", str(world["socket"]))
+    finally:
+        world["daemon"].health = {"status": "ok", "version": "0.1.0", "problems": []}
+    assert (run.returncode, run.stdout.strip()) == (0, "degraded")
+    assert "no GPU" in run.stderr
+
+
+def test_commands_register_on_the_main_parser(world, capsys):
+    """``transformd resolve`` / ``health`` through transformd.cli (the lead lists the module there)."""
+    from transformd import cli
+
+    if "transformd.api.resolve" in cli.EXTENSION_MODULES:
+        parser = cli.build_parser()
+    else:
+        parser = cli.build_parser(extensions=[resolve_cli.add_commands])
+    args = parser.parse_args(["resolve", str(world["models"] / "good"), "--socket", str(world["socket"])])
+    assert args.handler(args) == 0
+    assert capsys.readouterr().out.splitlines() == [str(world["converted"])]
+    args = parser.parse_args(["health", "--socket", str(world["socket"])])
+    assert args.handler(args) == 0
+
+
+def _status(state: str, done: int, key: str = "k" * 32) -> CheckpointStatus:
+    return CheckpointStatus(key=key, state=state, progress=Progress(done, 10, done * 100, 1000, 50.0, 3.0))
+
+
+def test_progress_lines_every_few_seconds():
+    now = [0.0]
+    out = io.StringIO()
+    rep = resolve_cli.ProgressReporter(out, every_s=5, tty=False, clock=lambda: now[0])
+    rep.update(_status("queued", 0))
+    for t, done in ((1, 1), (2, 2), (6, 3), (7, 4), (12, 5)):
+        now[0] = t
+        rep.update(_status("converting", done))
+    lines = out.getvalue().splitlines()
+    # queued (state change), converting at t=1 (state change), t=6 (due), t=12 (due)
+    assert len(lines) == 4, lines
+    assert "300 B/1000 B (30%)" in lines[2] and "3/10 tensors" in lines[2] and "~3s left" in lines[2]
+
+
+def test_progress_bar_on_a_terminal():
+    out = io.StringIO()
+    rep = resolve_cli.ProgressReporter(out, tty=True)
+    rep.update(_status("queued", 0))
+    rep.update(_status("converting", 5))
+    rep.update(_status("converting", 10))
+    rep.close()
+    assert "converting" in out.getvalue() and "10/10 tensors" in out.getvalue()
+
+
+def test_cache_hit_prints_no_progress():
+    out = io.StringIO()
+    rep = resolve_cli.ProgressReporter(out, tty=False)
+    rep.update(CheckpointStatus(key="k", state="ready", path=Path("/x")))
+    assert out.getvalue() == ""

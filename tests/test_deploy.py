@@ -1,0 +1,247 @@
+"""The sidecar image and the example deployments, checked statically (no container engine on these machines).
+
+Dockerfile: instructions parsed (continuations joined, comments dropped): the base image is a build
+argument, the daemon stage (the default target, last) runs as a non-root user, declares the cache and
+socket volumes, has a health check and starts ``transformd serve``; its install step is CI's.
+Compose and Kubernetes manifests: they parse, and put the engine and transformd side by side sharing
+the cache and the socket, the engine's command using ``transformd resolve``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile"
+COMPOSE = REPO / "transformd" / "deploy" / "docker-compose.yaml"
+KUBERNETES = REPO / "transformd" / "deploy" / "kubernetes.yaml"
+
+SOCKET_DIR = "/run/transformd"
+SOCKET = f"{SOCKET_DIR}/transformd.sock"
+CACHE_DIR = "/var/cache/transformd"
+MODELS = "/models"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dockerfile
+
+
+def parse_dockerfile(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs: comments and blank lines dropped, backslash continuations joined."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        if full:
+            word, _, rest = full.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    assert not pending, "Dockerfile ends inside a continued line"
+    return out
+
+
+def stages(instructions: list[tuple[str, str]]) -> tuple[dict[str, str], list[list[tuple[str, str]]]]:
+    """Global ARGs (before the first FROM) with their defaults, and the instructions of each stage."""
+    global_args: dict[str, str] = {}
+    out: list[list[tuple[str, str]]] = []
+    for word, rest in instructions:
+        if word == "FROM":
+            out.append([(word, rest)])
+        elif not out:
+            assert word == "ARG", f"only ARG may come before FROM, not {word}"
+            name, _, default = rest.partition("=")
+            global_args[name] = default
+        else:
+            out[-1].append((word, rest))
+    return global_args, out
+
+
+def exec_form(rest: str) -> list[str]:
+    value = json.loads(rest)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), rest
+    return value
+
+
+@pytest.fixture(scope="module")
+def dockerfile():
+    global_args, all_stages = stages(parse_dockerfile(DOCKERFILE.read_text()))
+    return global_args, all_stages, all_stages[-1]
+
+
+def _one(stage: list[tuple[str, str]], word: str) -> str:
+    found = [rest for w, rest in stage if w == word]
+    assert len(found) == 1, f"{word}: {found}"
+    return found[0]
+
+
+def test_base_image_is_a_build_argument(dockerfile):
+    global_args, _, daemon = dockerfile
+    assert global_args.get("BASE_IMAGE", "").startswith("python:3.1"), global_args
+    assert global_args["BASE_IMAGE"].endswith("-slim")
+    image = _one(daemon, "FROM").split()[0]
+    assert image == "${BASE_IMAGE}"
+
+
+def test_documents_rocm_and_cuda_bases():
+    text = DOCKERFILE.read_text()
+    assert "rocm/pytorch" in text and "gfx94x" in text
+    assert "pytorch/pytorch" in text and "CUDA" in text
+
+
+def test_runs_as_non_root(dockerfile):
+    _, _, daemon = dockerfile
+    user = [rest for w, rest in daemon if w == "USER"][-1]
+    name = user.split(":")[0]
+    assert name not in ("root", "0", "")
+    run = " ".join(rest for w, rest in daemon if w == "RUN")
+    assert name.isdigit() or ("useradd" in run and name in run)
+
+
+def test_cache_and_socket_are_volumes(dockerfile):
+    _, _, daemon = dockerfile
+    volumes: list[str] = []
+    for w, rest in daemon:
+        if w == "VOLUME":
+            volumes += exec_form(rest) if rest.startswith("[") else rest.split()
+    assert CACHE_DIR in volumes and SOCKET_DIR in volumes
+    env = " ".join(rest for w, rest in daemon if w == "ENV")
+    assert f"TRANSFORMD_SOCKET={SOCKET}" in env and f"TRANSFORMD_CACHE_DIR={CACHE_DIR}" in env
+    assert f"TRANSFORMD_ALLOW_ROOTS={MODELS}" in env
+
+
+def test_healthcheck_and_entrypoint(dockerfile):
+    _, _, daemon = dockerfile
+    health = _one(daemon, "HEALTHCHECK")
+    options, _, command = health.partition("CMD")
+    assert "--interval=" in options and "--timeout=" in options
+    assert exec_form(command.strip())[:2] == ["transformd", "health"]
+    assert exec_form(_one(daemon, "ENTRYPOINT")) == ["transformd", "serve"]
+
+
+def _ci_install() -> tuple[str, list[str]]:
+    """.ci/run's venv command and pip install arguments."""
+    text = (REPO / ".ci" / "run").read_text()
+    match = re.search(r"python3 -m venv (\S+) && \S+/pip install (.+?) &&", text)
+    assert match, ".ci/run no longer has the 'python3 -m venv X && X/bin/pip install ...' step"
+    return match.group(1), shlex.split(match.group(2))
+
+
+def test_install_step_is_the_one_ci_runs(dockerfile):
+    _, ci_pip = _ci_install()
+    ci_torch = next(a for a in ci_pip if a.startswith("torch=="))
+    _, _, daemon = dockerfile
+    args = {rest.partition("=")[0]: rest.partition("=")[2] for w, rest in daemon if w == "ARG"}
+    assert args.get("TORCH_REQUIREMENT") == ci_torch, "the image pins the torch CI tests with"
+    run = next(rest for w, rest in daemon if w == "RUN" and "pip install" in rest)
+    assert re.search(r"python3 -m venv( --system-site-packages)? (\S+)", run)
+    pip = shlex.split(run.split("pip install", 1)[1].split("&&")[0])
+    ci_flags = [a for a in ci_pip if a.startswith("-") and a != "-e"]
+    assert all(flag in pip for flag in ci_flags), (ci_flags, pip)
+    assert "${TORCH_REQUIREMENT}" in pip
+    assert "-e" not in pip and "--editable" not in pip, "the image installs the package, not an editable checkout"
+    assert pip[-1] == "/opt/transformd/src" and any("COPY" == w and "/opt/transformd/src" in r for w, r in daemon)
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+
+
+def test_health_and_serve_are_commands():
+    """The HEALTHCHECK and ENTRYPOINT name commands the CLI has (serve only once the daemon is registered)."""
+    from transformd import cli
+    from transformd.api import resolve
+
+    if "transformd.api.resolve" in cli.EXTENSION_MODULES:
+        parser = cli.build_parser()
+    else:
+        parser = cli.build_parser(extensions=[resolve.add_commands])
+    assert parser.parse_args(["health", "--quiet"]).handler is resolve.run_health
+    try:
+        parser.parse_args(["serve", "--help"])
+    except SystemExit as exit_:
+        if exit_.code != 0:
+            pytest.skip("'transformd serve' is not registered in transformd.cli yet")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Example deployments
+
+
+def _mounts_compose(service: dict) -> dict[str, tuple[str, bool]]:
+    """target path -> (source, read_only) of a compose service's short-syntax volumes."""
+    out = {}
+    for v in service.get("volumes", []):
+        parts = v.split(":")
+        out[parts[1]] = (parts[0], len(parts) > 2 and "ro" in parts[2].split(","))
+    return out
+
+
+def test_compose_file():
+    docs = list(yaml.safe_load_all(COMPOSE.read_text()))
+    assert len(docs) == 1
+    services = docs[0]["services"]
+    daemon, engine = services["transformd"], services["engine"]
+
+    assert daemon["build"]["target"] == "daemon" and "BASE_IMAGE" in daemon["build"]["args"]
+    assert daemon["healthcheck"]["test"][1:3] == ["transformd", "health"]
+    assert engine["depends_on"]["transformd"]["condition"] == "service_healthy"
+
+    args = daemon["command"]
+    assert args[args.index("--allow-root") + 1] == MODELS
+    assert args[args.index("--socket") + 1] == SOCKET
+
+    d, e = _mounts_compose(daemon), _mounts_compose(engine)
+    assert d[CACHE_DIR][0] == e[CACHE_DIR][0] and d[CACHE_DIR][0] in docs[0]["volumes"]  # the same named volume
+    assert e[CACHE_DIR][1] and not d[CACHE_DIR][1]  # the engine only reads it
+    assert d[SOCKET_DIR][0] == e[SOCKET_DIR][0] and d[SOCKET_DIR][0] in docs[0]["volumes"]
+    assert d[MODELS] == e[MODELS] and d[MODELS][1]  # same host directory, same path, read-only
+
+    command = " ".join(engine["entrypoint"] + engine["command"])
+    assert "transformd resolve /models/" in command and f"--socket {SOCKET}" in command
+    assert "vllm serve" in command and "--target ocp" in command
+    # `$$` is compose's escape for a `$` the shell must see; a bare `$(` would be a compose interpolation error.
+    assert re.search(r"(?<!\$)\$\(", command) is None and "$$(transformd resolve" in command
+
+
+def test_kubernetes_pod():
+    docs = [d for d in yaml.safe_load_all(KUBERNETES.read_text()) if d]
+    pod = next(d for d in docs if d["kind"] == "Pod")
+    spec = pod["spec"]
+    sidecar = next(c for c in spec["initContainers"] if c["name"] == "transformd")
+    engine = next(c for c in spec["containers"] if c["name"] == "engine")
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar: starts first, runs alongside
+
+    assert sidecar["startupProbe"]["exec"]["command"][:2] == ["transformd", "health"]
+    assert sidecar["livenessProbe"]["exec"]["command"][:2] == ["transformd", "health"]
+    assert sidecar["securityContext"]["runAsNonRoot"] is True and sidecar["securityContext"]["runAsUser"] != 0
+    args = sidecar["args"]
+    assert args[args.index("--allow-root") + 1] == MODELS
+
+    def mounts(c: dict) -> dict[str, tuple[str, bool]]:
+        return {m["mountPath"]: (m["name"], bool(m.get("readOnly"))) for m in c["volumeMounts"]}
+
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    s, e = mounts(sidecar), mounts(engine)
+    assert s[CACHE_DIR][0] == e[CACHE_DIR][0] and e[CACHE_DIR][1]
+    assert s[SOCKET_DIR][0] == e[SOCKET_DIR][0] and "emptyDir" in volumes[s[SOCKET_DIR][0]]
+    assert s[MODELS] == e[MODELS] and s[MODELS][1]
+    assert "hostPath" in volumes[s[CACHE_DIR][0]]  # the cache outlives the pod: one conversion per node
+
+    command = " ".join(engine["command"] + engine["args"])
+    assert "transformd resolve /models/" in command and f"--socket {SOCKET}" in command
+    assert "vllm serve" in command and "--target ocp" in command

@@ -1,0 +1,449 @@
+"""The FastAPI application: routes of the versioned API, wired to the cache and the conversion service.
+
+:func:`create_app` builds one app per daemon (its own cache handle, service, metrics registry).
+Every handler that touches the file system does it in a worker thread; conversions run in the
+service's threads. See :mod:`transformd.api` for the endpoints and :mod:`.errors` for the status codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from ..cache import Cache, EntryLeasedError, EntryNotFoundError, Recipe, cache_key
+from ..cache.keys import KEY_HEX_LEN, KEY_RE
+from ..cache.lease import LEASE_ID_RE
+from .errors import ApiError, error_for_exception, install_error_handlers
+from .files import EntryIndex
+from .metrics import CONTENT_TYPE, Metrics
+from .middleware import BearerAuth, BodyLimit, RequestCounter
+from .paths import SourcePolicy, check_file_name
+from .schemas import (
+    CacheModel,
+    CheckpointInfo,
+    CheckpointRequest,
+    ErrorResponse,
+    FileModel,
+    FilesResponse,
+    HealthModel,
+    LeaseModel,
+    LeaseRequest,
+)
+from .service import ConversionService
+from .settings import Settings
+from .shards import TransformdShardConverter
+from .views import entry_view, foreign_view, job_file, job_files, job_view
+
+log = logging.getLogger("transformd.api")
+
+#: Seconds between two refreshes of the cache size gauges by /metrics.
+GAUGE_REFRESH_S = 2.0
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
+@dataclass
+class Daemon:
+    """Everything the routes share."""
+
+    settings: Settings
+    cache: Cache
+    service: ConversionService
+    entries: EntryIndex
+    metrics: Metrics
+    policy: SourcePolicy
+    device: str
+    gauges_at: float = 0.0
+
+    def refresh_gauges(self) -> None:
+        """Blocking: scan the entries for the size gauges."""
+        usage = self.cache.usage()
+        self.metrics.cache_bytes.set(usage.used_bytes)
+        self.metrics.cache_budget.set(usage.budget_bytes)
+        self.gauges_at = time.monotonic()
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is a cache key; a 400 error otherwise (nothing on disk is touched)."""
+    if not KEY_RE.fullmatch(key):
+        raise ApiError(400, "invalid_key", f"{key[:80]!r} is not a checkpoint key ({KEY_HEX_LEN} lowercase hex digits)")
+    return key
+
+
+def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _accepted(body: dict[str, Any]) -> JSONResponse:
+    return _json(body, 202, {"Location": body["status_url"], "Retry-After": "1"})
+
+
+def _unknown_key(key: str) -> ApiError:
+    return ApiError(404, "unknown_key", f"no checkpoint with key {key}: POST /v1/checkpoints with its source first")
+
+
+async def _thread(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run blocking ``func`` in a worker thread; library errors become API errors."""
+    try:
+        return await anyio.to_thread.run_sync(lambda: func(*args, **kwargs))
+    except ApiError:
+        raise
+    except Exception as exc:
+        raise error_for_exception(exc) from exc
+
+
+def create_app(settings: Settings | None = None, *, converter: Any = None, cache: Cache | None = None) -> FastAPI:
+    """The daemon's ASGI app. ``converter``: a cache converter (default :class:`TransformdShardConverter`)."""
+    from .. import __version__
+
+    settings = settings or Settings()
+    settings.check()
+    token = settings.load_token()
+    policy = SourcePolicy(settings.allow_roots)
+    if converter is None:
+        converter = TransformdShardConverter(settings.device)
+    if cache is None:
+        cache = Cache(
+            settings.cache_dir, budget_bytes=settings.cache_budget, converter=converter, device=settings.device
+        )
+    metrics = Metrics()
+    entries = EntryIndex(cache)
+    daemon: Daemon
+
+    def on_change() -> None:
+        daemon.refresh_gauges()
+
+    service = ConversionService(
+        cache,
+        converter,
+        policy,
+        metrics,
+        max_concurrent=settings.max_concurrent_conversions,
+        max_queued=settings.max_queued_conversions,
+        on_change=on_change,
+    )
+    daemon = Daemon(settings, cache, service, entries, metrics, policy, settings.device)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        if isinstance(converter, TransformdShardConverter):  # fails the start when --device cuda has no GPU
+            from ..convert import resolve_device
+
+            daemon.device = str(await anyio.to_thread.run_sync(resolve_device, settings.device))
+        with contextlib.suppress(Exception):
+            await anyio.to_thread.run_sync(daemon.refresh_gauges)
+        log.info("transformd %s: cache %s, allowed roots %s", __version__, cache.root, policy.describe())
+        try:
+            yield
+        finally:
+            await service.close(settings.shutdown_grace_s)
+
+    app = FastAPI(
+        title="transformd",
+        version=__version__,
+        description="Converts MXFP8 checkpoints to 128x128 block FP8 once per node, caches them, and serves the "
+        'converted shards for memory mapping. Errors are `{"error": {"status", "code", "message"}}`.',
+        lifespan=lifespan,
+        # every route: 401 on TCP without the token, 503 when the cache or the daemon cannot serve, 500 for bugs
+        responses=_errors(401, 500, 503),
+    )
+    app.state.daemon = daemon
+    install_error_handlers(app)
+    _routes(app, daemon)
+    app.add_middleware(RequestCounter, metrics=metrics)  # innermost of the three: sees the matched route
+    app.add_middleware(BodyLimit)
+    if token is not None:
+        socket_path = settings.socket_path()
+        app.add_middleware(BearerAuth, token=token, unix_paths=[str(socket_path)] if socket_path else [])
+    return app
+
+
+def _routes(app: FastAPI, d: Daemon) -> None:
+    cache, service, entries, metrics = d.cache, d.service, d.entries, d.metrics
+
+    @app.post(
+        "/v1/checkpoints",
+        response_model=CheckpointInfo,
+        status_code=200,
+        summary="Resolve a checkpoint: the cached conversion (200) or a conversion started or running (202)",
+        responses={
+            202: {"model": CheckpointInfo, "description": "queued or converting"},
+            **_errors(400, 403, 404, 409, 413, 422, 503, 507),
+        },
+        tags=["checkpoints"],
+    )
+    async def post_checkpoint(body: CheckpointRequest) -> Response:
+        recipe = Recipe(target=body.target, scale_mode=body.scale_mode, select=body.select)
+        source = d.policy.check_syntax(body.source)
+        ident = await service.identify(source)
+        key = cache_key(ident, recipe)
+        job = service.job(key)
+        if job is None or not job.active:
+            invalid = service.known_invalid(key)
+            if invalid is not None:
+                metrics.cache_misses.inc()
+                raise invalid
+            info = await _thread(entries.info, key, touch=True)
+            if info is not None:
+                metrics.cache_hits.inc()
+                return _json(entry_view(info, job))
+        metrics.cache_misses.inc()
+        job = await service.ensure_job(key, ident.path, recipe)
+        if job.state == "ready":
+            info = await _thread(entries.info, key)
+            if info is not None:
+                return _json(entry_view(info, job))
+        return _accepted(job_view(job))
+
+    @app.get(
+        "/v1/checkpoints/{key}",
+        response_model=CheckpointInfo,
+        summary="State of a conversion: queued, converting (with progress), ready (with path) or failed",
+        responses=_errors(400, 404),
+        tags=["checkpoints"],
+    )
+    async def get_checkpoint(key: str) -> Response:
+        check_key(key)
+        job = service.job(key)
+        if job is not None and job.active:
+            return _json(job_view(job))
+        info = await _thread(entries.info, key)
+        if info is not None:
+            return _json(entry_view(info, job))
+        if job is not None and job.state == "failed":
+            return _json(job_view(job))
+        status = await _thread(cache.status, key)
+        if status is not None and status.state == "ready":  # published since the lookup above
+            info = await _thread(entries.info, key)
+            if info is not None:
+                return _json(entry_view(info, job))
+        view = foreign_view(status) if status is not None else None
+        if view is None:
+            raise _unknown_key(key)
+        return _json(view)
+
+    @app.delete(
+        "/v1/checkpoints/{key}",
+        status_code=204,
+        summary="Remove a cached conversion (409 while leased or converting)",
+        responses=_errors(400, 404, 409),
+        tags=["checkpoints"],
+    )
+    async def delete_checkpoint(key: str) -> Response:
+        check_key(key)
+        job = service.job(key)
+        if job is not None and job.active:
+            raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is being converted; delete it when ready")
+        try:
+            await anyio.to_thread.run_sync(cache.rm, key)
+        except EntryNotFoundError:
+            raise _unknown_key(key) from None
+        except EntryLeasedError as e:
+            raise error_for_exception(e) from None
+        except Exception as e:
+            raise error_for_exception(e) from e
+        entries.forget(key)
+        with contextlib.suppress(Exception):
+            await anyio.to_thread.run_sync(d.refresh_gauges)
+        return Response(status_code=204)
+
+    @app.get(
+        "/v1/checkpoints/{key}/files",
+        response_model=FilesResponse,
+        summary="The mmap API: every shard with its absolute path and tensor table (absolute byte offsets)",
+        responses=_errors(400, 404, 409),
+        tags=["files"],
+    )
+    async def get_files(key: str) -> Response:
+        check_key(key)
+        job = service.job(key)
+        if job is not None and job.active:
+            return _json(await _thread(job_files, entries, job))
+        info = await _thread(entries.info, key, touch=True)
+        if info is not None:
+            return Response(await _thread(entries.body, info), media_type="application/json")
+        return await _not_ready(key, job, files=True)
+
+    @app.get(
+        "/v1/checkpoints/{key}/files/{name}",
+        response_model=FileModel,
+        summary="One shard; 202 (ready false) while it is not written yet, and the conversion moves it to the front",
+        responses={202: {"model": FileModel, "description": "not written yet; requested"}, **_errors(400, 404, 409)},
+        tags=["files"],
+    )
+    async def get_file(key: str, name: str) -> Response:
+        check_key(key)
+        check_file_name(name)
+        job = service.job(key)
+        if job is not None and job.active:
+            obj = await _thread(job_file, entries, job, name)
+            if obj is None:
+                raise ApiError(404, "unknown_file", f"checkpoint {key} has no shard {name}")
+            if obj["ready"]:
+                return _json(obj)
+            job.priority.request(name)
+            return _json(obj, 202, {"Retry-After": "1"})
+        info = await _thread(entries.info, key, touch=True)
+        if info is not None:
+            data = await _thread(entries.body, info, name)
+            if data is None:
+                raise ApiError(404, "unknown_file", f"checkpoint {key} has no shard {name}")
+            return Response(data, media_type="application/json")
+        return await _not_ready(key, job, files=False, name=name)
+
+    async def _not_ready(key: str, job: Any, *, files: bool, name: str | None = None) -> Response:
+        if job is not None and job.state == "failed" and job.error is not None:
+            raise ApiError(409, "conversion_failed", f"the conversion of {key} failed: {job.error.message}")
+        status = await _thread(cache.status, key)
+        view = foreign_view(status) if status is not None else None
+        if view is None:
+            raise _unknown_key(key)
+        if view["state"] == "failed":
+            raise ApiError(409, "conversion_failed", f"the conversion of {key} failed: {view['error']['message']}")
+        if files:  # converting in another process: nothing is known of its shards here
+            return _json({"key": key, "state": "converting", "files": []})
+        final = entries.final_dir(key) / (name or "")
+        return _json(
+            {
+                "name": name,
+                "path": None,
+                "final_path": str(final),
+                "size": None,
+                "digest": None,
+                "ready": False,
+                "tensors": {},
+            },
+            202,
+            {"Retry-After": "1"},
+        )
+
+    @app.post(
+        "/v1/checkpoints/{key}/leases",
+        response_model=LeaseModel,
+        status_code=201,
+        summary="Protect a ready entry from eviction until the lease expires or is released",
+        responses=_errors(400, 404, 409, 413),
+        tags=["leases"],
+    )
+    async def post_lease(key: str, body: LeaseRequest | None = None) -> Response:
+        check_key(key)
+        body = body or LeaseRequest(ttl_s=d.settings.default_lease_ttl_s)
+        if body.ttl_s > d.settings.max_lease_ttl_s:
+            raise ApiError(
+                400,
+                "bad_ttl",
+                f"ttl_s {body.ttl_s} is above the maximum of {d.settings.max_lease_ttl_s:.0f} s; renew instead",
+            )
+        job = service.job(key)
+        if job is not None and job.active:
+            raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is still converting; lease it once ready")
+        try:
+            lease = await anyio.to_thread.run_sync(
+                lambda: cache.acquire_lease(key, body.ttl_s, holder=body.holder, pid=None)
+            )
+        except EntryNotFoundError:
+            raise _unknown_key(key) from None
+        except Exception as e:
+            raise error_for_exception(e) from e
+        return _json({"id": lease.id, "key": key, "expires_at": lease.expires_at, "holder": lease.holder}, 201)
+
+    @app.delete(
+        "/v1/checkpoints/{key}/leases/{lease_id}",
+        status_code=204,
+        summary="Release a lease",
+        responses=_errors(400, 404),
+        tags=["leases"],
+    )
+    async def delete_lease(key: str, lease_id: str) -> Response:
+        check_key(key)
+        if not LEASE_ID_RE.fullmatch(lease_id):
+            raise ApiError(404, "unknown_lease", f"no lease {lease_id[:40]!r} (lease ids are 16 lowercase hex digits)")
+        released = await _thread(cache.release_lease, lease_id, key)
+        if not released:
+            raise ApiError(404, "unknown_lease", f"no lease {lease_id} on checkpoint {key} (released or expired)")
+        return Response(status_code=204)
+
+    @app.get("/v1/cache", response_model=CacheModel, summary="Usage, budget and entries of the cache", tags=["cache"])
+    async def get_cache() -> Response:
+        body = await _thread(_cache_view, d)
+        body["conversions"] = [
+            {"key": j.key, "state": j.state, "source": str(j.source), "progress": j.progress.as_dict()}
+            for j in service.active_jobs()
+        ]
+        return _json(body)
+
+    @app.get("/healthz", response_model=HealthModel, summary="Liveness and the daemon's configuration", tags=["daemon"])
+    async def healthz() -> Response:
+        from .. import __version__
+
+        problems = await anyio.to_thread.run_sync(_health_problems, cache)
+        if service.closing:
+            problems.append("shutting down")
+        body = {
+            "status": "degraded" if problems else "ok",
+            "version": __version__,
+            "cache_root": str(cache.root),
+            "device": d.device,
+            "problems": problems,
+        }
+        return _json(body, 503 if problems else 200)
+
+    @app.get("/metrics", summary="Prometheus metrics", tags=["daemon"], response_class=Response)
+    async def get_metrics() -> Response:
+        if time.monotonic() - d.gauges_at > GAUGE_REFRESH_S:
+            with contextlib.suppress(Exception):
+                await anyio.to_thread.run_sync(d.refresh_gauges)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _cache_view(d: Daemon) -> dict[str, Any]:
+    usage = d.cache.usage()
+    now = time.time()
+    leases: dict[str, list[dict[str, Any]]] = {}
+    for lease in d.cache.leases():
+        if lease.is_live(now):
+            leases.setdefault(lease.key, []).append(
+                {"id": lease.id, "key": lease.key, "expires_at": lease.expires_at, "holder": lease.holder}
+            )
+    out = []
+    for e in d.cache.entries():
+        info = d.entries.info(e.key)
+        out.append(
+            {
+                "key": e.key,
+                "size_bytes": info.size_bytes if info else 0,
+                "last_used": e.last_used,
+                "source": info.source if info else None,
+                "recipe": info.recipe if info else None,
+                "leases": leases.get(e.key, []),
+            }
+        )
+    return {
+        "root": str(usage.root),
+        "usage_bytes": usage.used_bytes,
+        "budget_bytes": usage.budget_bytes,
+        "free_bytes": usage.free_bytes,
+        "entries": out,
+    }
+
+
+def _health_problems(cache: Cache) -> list[str]:
+    problems = []
+    for d in (cache.entries_dir, cache.staging_dir):
+        if not d.is_dir():
+            problems.append(f"cache directory {d} is missing")
+        elif not os.access(d, os.W_OK | os.X_OK):
+            problems.append(f"cache directory {d} is not writable by the daemon")
+    return problems

@@ -1,0 +1,115 @@
+"""``transformd serve``: run the daemon. Flags override ``TRANSFORMD_*`` environment variables.
+
+:func:`add_commands` registers ``serve`` on the main CLI's subparsers (list ``transformd.api.cli`` in
+``transformd.cli.EXTENSION_MODULES``); ``python -m transformd.api.cli serve ...`` runs it on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+
+
+def _settings_from_args(args: argparse.Namespace) -> Any:
+    from .settings import Settings
+
+    flags = {
+        "socket": args.socket,
+        "host": args.host,
+        "port": args.port,
+        "token_file": args.token_file,
+        "cache_dir": args.cache_dir,
+        "cache_budget": args.cache_budget,
+        "allow_roots": args.allow_root,
+        "device": args.device,
+        "max_concurrent_conversions": args.max_concurrent_conversions,
+        "max_queued_conversions": args.max_queued_conversions,
+        "log_level": args.log_level,
+    }
+    return Settings(**{k: v for k, v in flags.items() if v is not None})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the daemon until SIGINT/SIGTERM."""
+    from pydantic import ValidationError
+
+    from ..cache import CacheError
+    from .server import serve
+    from .settings import SettingsError
+
+    try:
+        settings = _settings_from_args(args)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        print(f"transformd: error: bad settings: {problems}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return serve(settings)
+    except SettingsError as e:
+        print(f"transformd: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except CacheError as e:
+        print(f"transformd: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def add_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``serve`` (its handler is ``args.handler``, also ``args.func``)."""
+    p = subparsers.add_parser(
+        "serve",
+        help="run the daemon: HTTP API on a unix socket (default) or a loopback TCP port with a token",
+        description="Run the transformd daemon. Listens on a unix socket by default (0660). --port listens on TCP "
+        "(loopback unless --host) and requires --token-file; the unix socket is then opened too only when --socket "
+        "or TRANSFORMD_SOCKET names one. Sources must lie under an --allow-root. Every flag can also be set with a "
+        "TRANSFORMD_* environment variable (TRANSFORMD_ALLOW_ROOTS is os.pathsep-separated).",
+    )
+    p.add_argument(
+        "--socket",
+        metavar="PATH",
+        type=Path,
+        help="unix socket (default: $TRANSFORMD_SOCKET, $XDG_RUNTIME_DIR/transformd.sock, "
+        "/run/transformd/transformd.sock); with --port, only when given",
+    )
+    p.add_argument("--host", metavar="H", help="TCP address to bind (default 127.0.0.1; needs --port)")
+    p.add_argument("--port", metavar="P", type=int, help="TCP port (0: any free port); requires --token-file")
+    p.add_argument("--token-file", metavar="F", type=Path, help="file holding the bearer token of TCP clients")
+    p.add_argument("--cache-dir", metavar="DIR", type=Path, help="cache root (default: $TRANSFORMD_CACHE_DIR, ...)")
+    p.add_argument("--cache-budget", metavar="SIZE", help="cache byte budget: bytes, 500G, 1.5TiB, 80%%")
+    p.add_argument(
+        "--allow-root",
+        metavar="DIR",
+        type=Path,
+        action="append",
+        help="accept sources under DIR (repeatable; symlinks are resolved before the check)",
+    )
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where conversions run (default auto)")
+    p.add_argument("--max-concurrent-conversions", metavar="N", type=int, help="conversions at once (default 1)")
+    p.add_argument(
+        "--max-queued-conversions",
+        metavar="N",
+        type=int,
+        help="conversions waiting for a worker before requests get 503 (default 16)",
+    )
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(handler=cmd_serve, func=cmd_serve)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="transformd")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,670 @@
+"""A small synchronous client for the transformd daemon (httpx, over a unix socket or loopback TCP).
+
+This is what an engine's start-up hook uses::
+
+    from transformd.api.client import TransformdClient
+
+    with TransformdClient() as td:                       # $TRANSFORMD_SOCKET, ... (see below)
+        path = td.resolve("/models/X", target="ocp")     # waits for the conversion; a Path
+        entry = td.status(td.last_key)                   # or any key: state, progress, error
+        with td.lease(entry.key, ttl_s=3600, holder="vllm-0"):
+            ...                                          # the entry cannot be evicted meanwhile
+
+Transport, first that applies:
+
+* ``url=`` (``http://127.0.0.1:PORT``): TCP, with ``Authorization: Bearer <token>``; the token is
+  ``token=``, else the first line of ``token_file=``, else of ``$TRANSFORMD_TOKEN_FILE``;
+* ``socket=`` (a path): that unix socket;
+* ``$TRANSFORMD_SOCKET``;
+* ``$XDG_RUNTIME_DIR/transformd.sock`` when it exists (or when ``/run/transformd/transformd.sock``
+  does not), else ``/run/transformd/transformd.sock``.
+
+Every failure is a :class:`TransformdError` carrying ``status`` (the HTTP status, or ``None`` when
+the daemon could not be reached), ``code`` (the daemon's error code) and ``message`` (one line a
+person can act on). Subclasses name the common cases so callers can ``except`` them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket as _socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "ENV_SOCKET",
+    "ENV_TOKEN_FILE",
+    "BadRequestError",
+    "CacheFullError",
+    "CheckpointStatus",
+    "ConflictError",
+    "ConversionFailedError",
+    "DaemonUnavailableError",
+    "ForbiddenError",
+    "InvalidCheckpointError",
+    "LeaseInfo",
+    "NotFoundError",
+    "Progress",
+    "ResolveTimeoutError",
+    "ServerError",
+    "ShardFile",
+    "TensorEntry",
+    "TransformdClient",
+    "TransformdError",
+    "UnauthorizedError",
+    "default_socket_path",
+    "error_for_status",
+]
+
+ENV_SOCKET = "TRANSFORMD_SOCKET"
+ENV_TOKEN_FILE = "TRANSFORMD_TOKEN_FILE"
+#: The system-wide socket (the sidecar's); a per-user daemon listens in $XDG_RUNTIME_DIR instead.
+DEFAULT_SOCKET = "/run/transformd/transformd.sock"
+_SOCKET_NAME = "transformd.sock"
+#: Host name used in URLs sent over a unix socket (httpx needs one; the daemon ignores it).
+_UDS_BASE_URL = "http://transformd"
+_API = "/v1"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+class TransformdError(Exception):
+    """A request to the daemon failed. ``status`` is the HTTP status (``None``: no answer)."""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
+        self.status = status
+        self.code = code
+        #: Seconds the daemon asked to wait before retrying (its ``Retry-After`` header), if any.
+        self.retry_after: float | None = None
+        self.message = " ".join(str(message).split()) or type(self).__name__
+        super().__init__(self.message)
+
+    @property
+    def is_client_error(self) -> bool:
+        """True for 4xx answers: the request (the source, its recipe, the key) is the problem."""
+        return self.status is not None and 400 <= self.status < 500
+
+    def __str__(self) -> str:
+        where = f" (HTTP {self.status}" + (f", {self.code})" if self.code else ")") if self.status else ""
+        return f"{self.message}{where}"
+
+
+class DaemonUnavailableError(TransformdError):
+    """The daemon could not be reached (no socket, connection refused, timed out)."""
+
+
+class BadRequestError(TransformdError):
+    """400: malformed request (unknown target, bad select regex, ...)."""
+
+
+class UnauthorizedError(TransformdError):
+    """401: TCP without (or with a wrong) bearer token."""
+
+
+class ForbiddenError(TransformdError):
+    """403: the source is outside the daemon's allowed roots."""
+
+
+class NotFoundError(TransformdError):
+    """404: unknown key, file or lease (or a source path that does not exist)."""
+
+
+class ConflictError(TransformdError):
+    """409: e.g. deleting an entry that is leased or being converted."""
+
+
+class InvalidCheckpointError(TransformdError):
+    """422: the source is not a convertible MXFP8 checkpoint; the message names file, tensor, problem."""
+
+
+class CacheFullError(TransformdError):
+    """507: the cache cannot hold the converted checkpoint within its budget."""
+
+
+class ServerError(TransformdError):
+    """5xx other than 507: the daemon failed."""
+
+
+class ConversionFailedError(TransformdError):
+    """The conversion ran and failed; ``status``/``code`` are those the daemon recorded (e.g. 422)."""
+
+
+class ResolveTimeoutError(TransformdError):
+    """:meth:`TransformdClient.resolve` gave up waiting (its ``timeout``); the conversion goes on."""
+
+
+_BY_STATUS: dict[int, type[TransformdError]] = {
+    400: BadRequestError,
+    401: UnauthorizedError,
+    403: ForbiddenError,
+    404: NotFoundError,
+    409: ConflictError,
+    422: InvalidCheckpointError,
+    507: CacheFullError,
+}
+
+
+def error_for_status(status: int, message: str, code: str | None = None) -> TransformdError:
+    """The :class:`TransformdError` subclass for an HTTP status."""
+    cls = _BY_STATUS.get(status) or (ServerError if status >= 500 else TransformdError)
+    return cls(message, status=status, code=code)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Answers
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a conversion is; any field the daemon did not send is ``None``."""
+
+    tensors_done: int | None = None
+    tensors_total: int | None = None
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+    rate_bytes_per_s: float | None = None
+    eta_s: float | None = None
+    #: What the daemon is doing (e.g. hashing the source, converting, publishing), when it says.
+    phase: str | None = None
+    #: The shard the converter reported last.
+    shard: str | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> Progress | None:
+        if not data:
+            return None
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+    @property
+    def fraction(self) -> float | None:
+        """Bytes done / bytes total, when both are known."""
+        if self.bytes_total and self.bytes_done is not None:
+            return min(1.0, self.bytes_done / self.bytes_total)
+        return None
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """One entry as the daemon reports it (``POST /v1/checkpoints`` or ``GET /v1/checkpoints/{key}``)."""
+
+    key: str
+    state: str  # queued | converting | ready | failed
+    progress: Progress | None = None
+    error: TransformdError | None = None
+    path: Path | None = None
+    source: str | None = None
+    recipe: dict[str, Any] | None = None
+    size_bytes: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "failed"
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CheckpointStatus:
+        err = data.get("error")
+        error = None
+        if isinstance(err, Mapping):
+            status = err.get("status")
+            error = ConversionFailedError(
+                str(err.get("message") or "conversion failed"),
+                status=status if isinstance(status, int) else None,
+                code=err.get("code"),
+            )
+        path = data.get("path")
+        return cls(
+            key=str(data["key"]),
+            state=str(data.get("state", "")),
+            progress=Progress.from_json(data.get("progress")),
+            error=error,
+            path=Path(path) if path else None,
+            source=data.get("source"),
+            recipe=data.get("recipe"),
+            size_bytes=data.get("size_bytes"),
+            raw=dict(data),
+        )
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a shard: safetensors dtype name, shape, and absolute byte range in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, int]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TensorEntry:
+        begin, end = data["offsets"]
+        return cls(str(data["dtype"]), tuple(int(d) for d in data["shape"]), (int(begin), int(end)))
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One file of ``GET /v1/checkpoints/{key}/files``: map ``path`` read-only and cut ``tensors`` out of it.
+
+    ``path`` is ``None`` while the file is not written yet; while the entry is converting it may
+    point into the staging directory (the file is renamed to ``final_path`` keeping its inode, so a
+    mapping made from ``path`` stays valid).
+    """
+
+    name: str
+    path: Path | None
+    size: int | None
+    digest: str | None
+    ready: bool
+    tensors: dict[str, TensorEntry]
+    final_path: Path | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ShardFile:
+        final, path = data.get("final_path"), data.get("path")
+        return cls(
+            name=str(data["name"]),
+            path=Path(path) if path else None,
+            size=data.get("size"),
+            digest=data.get("digest"),
+            ready=bool(data.get("ready", True)),
+            tensors={str(k): TensorEntry.from_json(v) for k, v in (data.get("tensors") or {}).items()},
+            final_path=Path(final) if final else None,
+        )
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A lease the daemon granted: ``expires_at`` is what it sent (epoch seconds or ISO 8601)."""
+
+    id: str
+    key: str
+    expires_at: Any
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LeaseInfo:
+        return cls(str(data["id"]), str(data["key"]), data.get("expires_at"), dict(data))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Where the daemon is
+
+
+def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
+    """``$TRANSFORMD_SOCKET`` > ``$XDG_RUNTIME_DIR/transformd.sock`` > ``/run/transformd/transformd.sock``.
+
+    ``$XDG_RUNTIME_DIR`` is skipped when no socket is there but the system-wide one exists, so a user
+    session on a node whose daemon is the system one (or a sidecar's) still finds it.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(ENV_SOCKET):
+        return Path(env[ENV_SOCKET])
+    system = Path(DEFAULT_SOCKET)
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime:
+        user = Path(runtime) / _SOCKET_NAME
+        if user.exists() or not system.exists():
+            return user
+    return system
+
+
+def _read_token_file(path: str | os.PathLike[str]) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise TransformdError(f"cannot read the token file {path}: {err.strerror or err}") from err
+    token = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not token:
+        raise TransformdError(f"the token file {path} is empty")
+    return token
+
+
+def _default_holder() -> str:
+    return f"{_socket.gethostname()}:{os.getpid()}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The client
+
+
+class TransformdClient:
+    """Synchronous client of the transformd HTTP API (``/v1``). Use as a context manager, or call :meth:`close`.
+
+    ``timeout`` bounds each HTTP request (connect, read), not :meth:`resolve`'s wait for a conversion,
+    which has its own ``timeout``. ``transport`` replaces the one built from ``socket``/``url``
+    (tests, or a custom httpx transport).
+    """
+
+    def __init__(
+        self,
+        socket: str | os.PathLike[str] | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        token_file: str | os.PathLike[str] | None = None,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Accept": "application/json", "User-Agent": "transformd-client"}
+        if url is not None:
+            if token is None:
+                token_file = token_file or os.environ.get(ENV_TOKEN_FILE) or None
+                token = _read_token_file(token_file) if token_file else None
+            self.socket: Path | None = None
+            self.url = url.rstrip("/")
+            base_url = self.url
+            transport = transport or httpx.HTTPTransport(retries=0)
+        else:
+            self.socket = Path(socket) if socket is not None else default_socket_path()
+            self.url = None
+            base_url = _UDS_BASE_URL
+            # Plain HTTP over a local socket: no TLS context to build (that alone costs ~17 ms a client).
+            transport = transport or httpx.HTTPTransport(uds=str(self.socket), verify=False)
+            if token is None and token_file is not None:
+                token = _read_token_file(token_file)
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self.timeout = timeout
+        #: Key of the last checkpoint :meth:`submit`/:meth:`resolve` asked for.
+        self.last_key: str | None = None
+        self._http = httpx.Client(
+            base_url=base_url, transport=transport, headers=headers, timeout=timeout, verify=self.url is not None
+        )
+
+    # -- plumbing -------------------------------------------------------------------------------------------------------
+
+    @property
+    def where(self) -> str:
+        """The daemon's address as a person reads it (for messages)."""
+        return self.url if self.url is not None else f"unix socket {self.socket}"
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        ok: tuple[int, ...] = (200,),
+        timeout: httpx.Timeout | None = None,
+    ) -> httpx.Response:
+        try:
+            if timeout is None:
+                response = self._http.request(method, path, json=json)
+            else:
+                response = self._http.request(method, path, json=json, timeout=timeout)
+        except httpx.TimeoutException as err:
+            raise DaemonUnavailableError(f"transformd at {self.where} did not answer {method} {path} in time: "
+                                         f"{err or type(err).__name__}") from err
+        except (httpx.TransportError, OSError) as err:
+            hint = ""
+            if self.socket is not None and not self.socket.exists():
+                hint = f"; no socket at {self.socket}: is 'transformd serve' running? (--socket, ${ENV_SOCKET})"
+            raise DaemonUnavailableError(f"cannot reach transformd at {self.where}: {err}{hint}") from err
+        if response.status_code not in ok:
+            raise self._error(response)
+        return response
+
+    @staticmethod
+    def _error(response: httpx.Response) -> TransformdError:
+        status, code, message = response.status_code, None, None
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if isinstance(body, Mapping):
+            err = body.get("error")
+            if isinstance(err, Mapping):
+                code = err.get("code")
+                message = err.get("message")
+            elif "detail" in body:  # FastAPI's own errors (e.g. request validation) before the app's handler
+                message = body["detail"] if isinstance(body["detail"], str) else str(body["detail"])
+        if not message:
+            message = response.text.strip()[:500] or response.reason_phrase or "request failed"
+        error = error_for_status(status, message, code)
+        try:
+            error.retry_after = float(response.headers["retry-after"])
+        except (KeyError, ValueError):
+            pass
+        return error
+
+    @staticmethod
+    def _json(response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError as err:
+            raise ServerError(f"transformd answered {response.request.url.path} with non-JSON: {response.text[:200]!r}",
+                              status=response.status_code) from err
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        target: str = "fnuz",
+        scale_mode: str = "exact",
+        select: str | None = None,
+        wait_s: float | None = None,
+    ) -> CheckpointStatus:
+        """``POST /v1/checkpoints`` once: the entry when cached (state ``ready``), else its queued/converting state.
+
+        ``source`` is made absolute here (the daemon knows nothing of this process's working
+        directory); symlinks are left for the daemon to resolve and check against its allowed roots.
+
+        The daemon answers once it has identified the source's content, which for a large checkpoint
+        seen for the first time means reading it (minutes for hundreds of GB): the answer is waited
+        for ``wait_s`` seconds (``None``: as long as it takes; connecting is still bounded by the
+        client's ``timeout``).
+        """
+        body = {
+            "source": os.path.abspath(os.fspath(source)),
+            "target": str(getattr(target, "value", target)),
+            "scale_mode": str(getattr(scale_mode, "value", scale_mode)),
+            "select": select,
+        }
+        limit = httpx.Timeout(wait_s, connect=self.timeout)
+        response = self._request("POST", f"{_API}/checkpoints", json=body, ok=(200, 201, 202), timeout=limit)
+        status = CheckpointStatus.from_json(self._json(response))
+        self.last_key = status.key
+        return status
+
+    def resolve(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        target: str = "fnuz",
+        scale_mode: str = "exact",
+        select: str | None = None,
+        progress: Callable[[CheckpointStatus], None] | None = None,
+        poll_interval: float = 0.5,
+        timeout: float | None = None,
+    ) -> Path:
+        """The converted checkpoint directory of ``source``: converted now, or taken from the cache.
+
+        Posts the request, then polls ``GET /v1/checkpoints/{key}`` every ``poll_interval`` seconds
+        (the first polls come sooner, so a short conversion is not held up) until the entry is
+        ready, calling ``progress(status)`` after every answer. Raises
+        :class:`ConversionFailedError` (with the daemon's status/code/message) when the conversion
+        fails, :class:`ResolveTimeoutError` after ``timeout`` seconds (``None``: wait for as long as
+        it takes), and any other :class:`TransformdError` for a refused request.
+
+        Should the daemon forget the key while we wait (it restarted), the request is posted again;
+        while it answers 503 (too many conversions queued) the request is retried (``Retry-After``,
+        else a growing delay) until ``timeout``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def submit() -> CheckpointStatus:
+            return self._submit_when_accepted(source, target, scale_mode, select, deadline)
+
+        status = submit()
+        delay = min(0.05, poll_interval)
+        while True:
+            if progress is not None:
+                progress(status)
+            if status.ready:
+                if status.path is not None:
+                    return status.path
+                # A status without the path: the POST answer of a ready entry always carries it.
+                status = submit()
+                if status.ready and status.path is not None:
+                    return status.path
+            if status.failed:
+                raise status.error or ConversionFailedError(f"conversion of {source} failed", code="failed")
+            if deadline is not None and time.monotonic() + delay > deadline:
+                done = f" ({status.progress.fraction:.0%} done)" if status.progress and status.progress.fraction else ""
+                raise ResolveTimeoutError(
+                    f"gave up waiting for {source} after {timeout:g}s: entry {status.key} is {status.state}{done}; "
+                    f"the conversion goes on in the daemon",
+                    code="timeout",
+                )
+            time.sleep(delay)
+            delay = min(poll_interval, delay * 2)
+            try:
+                status = self.status(status.key)
+            except NotFoundError:
+                status = submit()
+
+    def _submit_when_accepted(
+        self, source: str | os.PathLike[str], target: str, scale_mode: str, select: str | None,
+        deadline: float | None,
+    ) -> CheckpointStatus:
+        """:meth:`submit`, retried while the daemon answers 503 (its conversion queue is full) until ``deadline``."""
+        delay = 1.0
+        while True:
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            try:
+                return self.submit(source, target=target, scale_mode=scale_mode, select=select, wait_s=left)
+            except DaemonUnavailableError as err:
+                if deadline is not None and time.monotonic() >= deadline - 0.01:
+                    raise ResolveTimeoutError(
+                        f"gave up waiting for {source}: the daemon was still identifying it (reading the checkpoint "
+                        f"to key it) when the timeout ran out; it goes on in the daemon",
+                        code="timeout",
+                    ) from err
+                raise
+            except ServerError as err:
+                if err.status != 503:
+                    raise
+                wait = err.retry_after if err.retry_after is not None else delay
+                if deadline is not None and time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(max(0.0, wait))
+                delay = min(delay * 2, 10.0)
+
+    def status(self, key: str) -> CheckpointStatus:
+        """``GET /v1/checkpoints/{key}``: state, progress, error, path when ready."""
+        return CheckpointStatus.from_json(self._json(self._request("GET", f"{_API}/checkpoints/{key}")))
+
+    def files(self, key: str) -> list[ShardFile]:
+        """``GET /v1/checkpoints/{key}/files``: every shard with its tensor table (absolute offsets)."""
+        data = self._json(self._request("GET", f"{_API}/checkpoints/{key}/files"))
+        return [ShardFile.from_json(f) for f in data.get("files", [])]
+
+    def file(
+        self,
+        key: str,
+        name: str,
+        *,
+        wait: bool = False,
+        poll_interval: float = 0.25,
+        timeout: float | None = None,
+    ) -> ShardFile:
+        """``GET /v1/checkpoints/{key}/files/{name}``; asking moves the shard to the front of the conversion.
+
+        Without ``wait`` the answer may be a shard that is not ready yet (``ready`` False). With
+        ``wait`` it polls until the shard is ready (:class:`ResolveTimeoutError` after ``timeout``;
+        :class:`ConversionFailedError` when the entry failed meanwhile).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            response = self._request("GET", f"{_API}/checkpoints/{key}/files/{name}", ok=(200, 202))
+            shard = ShardFile.from_json(self._json(response))
+            if response.status_code == 202:
+                shard = ShardFile(shard.name, shard.path, shard.size, shard.digest, False, shard.tensors,
+                                  shard.final_path)
+            if shard.ready or not wait:
+                return shard
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResolveTimeoutError(f"shard {name} of {key} not ready after {timeout:g}s", code="timeout")
+            entry = self.status(key)
+            if entry.failed:
+                raise entry.error or ConversionFailedError(f"conversion of {key} failed")
+            time.sleep(poll_interval)
+
+    def delete(self, key: str) -> None:
+        """``DELETE /v1/checkpoints/{key}``: remove the entry (409 while leased or converting)."""
+        self._request("DELETE", f"{_API}/checkpoints/{key}", ok=(200, 202, 204))
+
+    # -- leases ---------------------------------------------------------------------------------------------------------
+
+    def acquire_lease(self, key: str, ttl_s: float = 3600.0, holder: str | None = None) -> LeaseInfo:
+        """``POST /v1/checkpoints/{key}/leases``: protect the entry from eviction for ``ttl_s`` seconds."""
+        body = {"ttl_s": ttl_s, "holder": holder or _default_holder()}
+        response = self._request("POST", f"{_API}/checkpoints/{key}/leases", json=body, ok=(200, 201))
+        return LeaseInfo.from_json(self._json(response))
+
+    def release_lease(self, key: str, lease_id: str) -> None:
+        """``DELETE /v1/checkpoints/{key}/leases/{id}`` (a lease already gone is not an error)."""
+        try:
+            self._request("DELETE", f"{_API}/checkpoints/{key}/leases/{lease_id}", ok=(200, 204))
+        except NotFoundError:
+            pass
+
+    @contextmanager
+    def lease(self, key: str, ttl_s: float = 3600.0, holder: str | None = None) -> Iterator[LeaseInfo]:
+        """Hold a lease on ``key`` for the ``with`` block: acquired on enter, released on exit.
+
+        A lease expires by itself after ``ttl_s`` seconds, so a process that dies without releasing
+        it does not pin the entry for ever; pick a ``ttl_s`` longer than the block (or re-acquire).
+        """
+        info = self.acquire_lease(key, ttl_s=ttl_s, holder=holder)
+        try:
+            yield info
+        finally:
+            self.release_lease(key, info.id)
+
+    # -- daemon ---------------------------------------------------------------------------------------------------------
+
+    def cache(self) -> dict[str, Any]:
+        """``GET /v1/cache``: usage, budget and entries, as the daemon sends them."""
+        return self._json(self._request("GET", f"{_API}/cache"))
+
+    def health(self) -> dict[str, Any]:
+        """``GET /healthz``; raises unless the daemon answers 200."""
+        response = self._request("GET", "/healthz")
+        try:
+            data = response.json()
+        except ValueError:
+            data = {"status": response.text.strip() or "ok"}
+        return data if isinstance(data, dict) else {"status": data}
+
+    def metrics(self) -> str:
+        """``GET /metrics``: the Prometheus text exposition."""
+        return self._request("GET", "/metrics").text
+
+    # -- lifetime -------------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> TransformdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TransformdClient({self.where})"

@@ -1,0 +1,144 @@
+"""Errors of the HTTP API: one JSON shape, and the mapping from the library's exceptions to status codes.
+
+Every error response is ``{"error": {"status": int, "code": str, "message": str}}``; the message says what
+to do. Client mistakes are 4xx, never 500:
+
+=====  =====================================================================================
+400    bad request: malformed JSON, unknown or missing fields, unknown target, bad key or lease id
+401    missing or wrong bearer token (TCP listener)
+403    source outside the allowed roots (also through a symlink), or unreadable by the daemon
+404    unknown key, file, lease, or source directory
+409    conflict: entry leased (delete), conversion in progress (delete, lease), source changed
+413    request body too large
+422    invalid checkpoint (the message names the file, the tensor and the problem)
+503    conversion queue full, daemon shutting down, cache directory unusable
+507    the cache cannot hold the conversion (budget or disk full)
+=====  =====================================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..cache import (
+    CacheError,
+    CacheFullError,
+    CacheTimeoutError,
+    ConversionFailedError,
+    DiskFullError,
+    EntryLeasedError,
+    EntryNotFoundError,
+    InvalidKeyError,
+    SourceError,
+)
+
+log = logging.getLogger("transformd.api")
+
+#: Exception class names that mean "the checkpoint itself is invalid" (also when another process failed on it).
+INVALID_INPUT_TYPES = frozenset({"MxFormatError", "CheckpointError", "SourceError"})
+#: Longest message returned (a converter's message can quote a lot).
+MAX_MESSAGE_CHARS = 4000
+
+
+class ApiError(Exception):
+    """An error with its HTTP status, a stable machine-readable code and a message for a person."""
+
+    def __init__(self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message[:MAX_MESSAGE_CHARS]
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"status": self.status, "code": self.code, "message": self.message}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.body()}, status_code=self.status, headers=self.headers)
+
+
+def error_for_exception(exc: BaseException) -> ApiError:
+    """The API error for an exception raised while identifying, validating or converting a checkpoint."""
+    from ..formats import MxFormatError
+    from ..safetensors_io import CheckpointError
+
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, (MxFormatError, CheckpointError)):
+        return ApiError(422, "invalid_checkpoint", f"invalid checkpoint: {exc}")
+    if isinstance(exc, DiskFullError):
+        return ApiError(507, "disk_full", str(exc))
+    if isinstance(exc, CacheFullError):
+        return ApiError(507, "cache_full", str(exc))
+    if isinstance(exc, ConversionFailedError):
+        if exc.error_type in INVALID_INPUT_TYPES:
+            return ApiError(422, "invalid_checkpoint", f"invalid checkpoint: {exc.message}")
+        return ApiError(500, "conversion_failed", str(exc))
+    if isinstance(exc, SourceError):
+        if "changed while" in str(exc):
+            return ApiError(409, "source_changed", f"{exc}; POST the checkpoint again once it is complete")
+        return ApiError(422, "invalid_source", str(exc))
+    if isinstance(exc, CacheTimeoutError):
+        return ApiError(504, "timeout", str(exc))
+    if isinstance(exc, EntryLeasedError):
+        return ApiError(
+            409, "entry_leased", f"{exc}; release the leases (DELETE .../leases/ID) or wait for them to expire"
+        )
+    if isinstance(exc, EntryNotFoundError):
+        return ApiError(404, "unknown_key", str(exc))
+    if isinstance(exc, InvalidKeyError):
+        return ApiError(400, "invalid_key", str(exc))
+    if isinstance(exc, CacheError):
+        return ApiError(503, "cache_unavailable", f"the cache cannot be used: {exc}")
+    if isinstance(exc, PermissionError):
+        return ApiError(403, "permission_denied", f"the daemon may not read {exc.filename or 'a file'}: {exc.strerror}")
+    if isinstance(exc, OSError):
+        return ApiError(
+            500, "io_error", f"I/O error{f' on {exc.filename}' if exc.filename else ''}: {exc.strerror or exc}"
+        )
+    return ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}; see the daemon's log")
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:10]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        if err.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {err.get('msg')}"
+        if err.get("type") in ("model_attributes_type", "dict_type") and loc == "body":
+            return "bad request: the body must be a JSON object sent with content-type application/json"
+        parts.append(f"{loc}: {err.get('msg')}")
+    return "bad request: " + "; ".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error, including FastAPI's own, a JSON error object (validation errors are 400, not 422)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return ApiError(400, "bad_request", _validation_message(exc)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}; see /docs or /openapi.json"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; see /docs or /openapi.json"
+        return ApiError(exc.status_code, code, message, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        return error_for_exception(exc).response()

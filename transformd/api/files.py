@@ -1,0 +1,198 @@
+"""The mmap API's data: published entries and their shards' tensor tables (absolute byte offsets).
+
+Entries are immutable once published, so what is read from them (the manifest, each shard's header)
+is remembered in memory, tied to the manifest's inode so that an entry removed and converted again is
+read afresh. Every function here blocks on the file system: call it from a worker thread.
+
+A file object (one shard)::
+
+    {"name": "model-00001-of-00002.safetensors",
+     "path": "/cache/entries/<key>/checkpoint/model-00001-of-00002.safetensors",   # open this (null: not written yet)
+     "final_path": "/cache/entries/<key>/checkpoint/model-00001-of-00002.safetensors",
+     "size": 1234, "digest": "blake3:...",                                          # null until published
+     "ready": true,
+     "tensors": {"model.layers.0.mlp.experts.0.down_proj.weight":
+                    {"dtype": "F8_E4M3FNUZ", "shape": [320, 224], "offsets": [begin, end]}}}
+
+``offsets`` are absolute byte positions in the file (``end`` exclusive). While a conversion runs, a
+finished shard is served from the conversion's staging directory (``path`` differs from
+``final_path``): open it right away; it is renamed into place with the same inode, so an open file or
+mapping stays valid, but the staging path itself disappears when the entry is published (then use
+``final_path``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..cache import MANIFEST_NAME, Cache, FileRecord, Manifest
+from ..safetensors_io import CheckpointError, read_header
+from .errors import ApiError
+from .shards import is_shard_file
+
+#: Entries whose manifest and tensor tables are kept in memory.
+MAX_REMEMBERED_ENTRIES = 64
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """A published entry as the API shows it."""
+
+    key: str
+    root: Path
+    path: Path
+    size_bytes: int
+    recipe: dict[str, Any]
+    source: str
+    created_at: float
+    timings: dict[str, float]
+    files: tuple[FileRecord, ...]
+    manifest_id: tuple[int, int]
+
+    @property
+    def shards(self) -> list[FileRecord]:
+        return [f for f in self.files if is_shard_file(f.name)]
+
+
+def tensor_table(path: Path) -> dict[str, dict[str, Any]]:
+    """``{name: {"dtype", "shape", "offsets": [begin, end]}}`` of a safetensors file, offsets absolute."""
+    header = read_header(path)
+    return {
+        t.name: {"dtype": t.dtype, "shape": list(t.shape), "offsets": [t.begin, t.end]} for t in header.tensors.values()
+    }
+
+
+def file_object(
+    name: str,
+    *,
+    path: Path | None,
+    final_path: Path,
+    ready: bool,
+    size: int | None = None,
+    digest: str | None = None,
+) -> dict[str, Any]:
+    """One file object; reads the header of ``path`` when it is ready."""
+    tensors: dict[str, Any] = {}
+    if ready and path is not None:
+        tensors = tensor_table(path)
+        if size is None:
+            size = os.stat(path).st_size
+    return {
+        "name": name,
+        "path": str(path) if path is not None else None,
+        "final_path": str(final_path),
+        "size": size,
+        "digest": digest,
+        "ready": ready,
+        "tensors": tensors,
+    }
+
+
+class EntryIndex:
+    """Published entries of one cache: their info, file objects and serialised ``/files`` bodies."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+        self._lock = threading.Lock()
+        self._infos: collections.OrderedDict[str, EntryInfo] = collections.OrderedDict()
+        self._bodies: dict[tuple[str, tuple[int, int], str], bytes] = {}
+
+    def final_dir(self, key: str) -> Path:
+        return self.cache.entries_dir / key / "checkpoint"
+
+    def info(self, key: str, *, touch: bool = False) -> EntryInfo | None:
+        """The published entry ``key`` or None (``touch`` marks it as used for the LRU eviction)."""
+        entry = self.cache.get(key, touch=touch)
+        if entry is None:
+            return None
+        try:
+            st = os.stat(entry.root / MANIFEST_NAME)
+        except OSError:
+            return None
+        mid = (st.st_dev, st.st_ino)
+        with self._lock:
+            info = self._infos.get(key)
+            if info is not None and info.manifest_id == mid:
+                self._infos.move_to_end(key)
+                return info
+        try:
+            manifest = Manifest.read(entry.root / MANIFEST_NAME)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # vanished or unreadable (verify quarantines corrupt entries)
+        info = EntryInfo(
+            key=key,
+            root=entry.root,
+            path=entry.path,
+            size_bytes=manifest.total_bytes + st.st_size,
+            recipe=manifest.recipe.as_dict(),
+            source=manifest.source_hint,
+            created_at=manifest.created_at,
+            timings=dict(manifest.timings),
+            files=manifest.files,
+            manifest_id=mid,
+        )
+        with self._lock:
+            self._infos[key] = info
+            self._infos.move_to_end(key)
+            while len(self._infos) > MAX_REMEMBERED_ENTRIES:
+                old, _ = self._infos.popitem(last=False)
+                self._drop_bodies(old)
+        return info
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._infos.pop(key, None)
+            self._drop_bodies(key)
+
+    def _drop_bodies(self, key: str) -> None:
+        for k in [k for k in self._bodies if k[0] == key]:
+            del self._bodies[k]
+
+    def ready_file(self, info: EntryInfo, rec: FileRecord) -> dict[str, Any]:
+        try:
+            return file_object(
+                rec.name,
+                path=info.path / rec.name,
+                final_path=info.path / rec.name,
+                ready=True,
+                size=rec.size,
+                digest=rec.digest,
+            )
+        except CheckpointError as e:
+            raise ApiError(
+                500,
+                "entry_corrupt",
+                f"cache entry {info.key} is damaged ({e}); run `transformd cache verify {info.key}` (it quarantines "
+                "damaged entries), then resolve the checkpoint again",
+            ) from None
+
+    def body(self, info: EntryInfo, name: str | None = None) -> bytes | None:
+        """The serialised ``/files`` body (``name`` None) or one file object; None for a name not in the entry."""
+        ck = (info.key, info.manifest_id, name or "")
+        with self._lock:
+            cached = self._bodies.get(ck)
+        if cached is not None:
+            return cached
+        shards = info.shards
+        if name is None:
+            obj: dict[str, Any] = {
+                "key": info.key,
+                "state": "ready",
+                "files": [self.ready_file(info, r) for r in shards],
+            }
+        else:
+            rec = next((r for r in shards if r.name == name), None)
+            if rec is None:
+                return None
+            obj = self.ready_file(info, rec)
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        with self._lock:
+            if info.key in self._infos:
+                self._bodies[ck] = data
+        return data

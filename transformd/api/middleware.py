@@ -1,0 +1,161 @@
+"""ASGI middleware: bearer-token check for TCP listeners, request body limit, request counting.
+
+Requests that arrive on the daemon's own unix socket are trusted (the socket's permissions, 0660,
+decide who may connect); every other request must carry ``Authorization: Bearer <token>``, compared
+in constant time. A listener the middleware cannot identify is treated as TCP (fail closed).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+from .metrics import Metrics
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Largest request body accepted (every request body is a small JSON object).
+MAX_BODY_BYTES = 64 * 1024
+
+
+async def _send_error(send: Send, status: int, code: str, message: str, headers: Iterable[tuple[bytes, bytes]] = ()):
+    body = json.dumps({"error": {"status": status, "code": code, "message": message}}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BearerAuth:
+    """401 for requests not from ``unix_paths`` without the right ``Authorization: Bearer`` token."""
+
+    def __init__(self, app: ASGIApp, token: bytes, unix_paths: Iterable[str] = ()):
+        self.app = app
+        self.token = token
+        self.unix_paths = frozenset(unix_paths)
+
+    def _valid(self, header: bytes | None) -> bool:
+        """``Bearer <token>`` (scheme case-insensitive), the token compared in constant time."""
+        scheme, _, given = (header or b"").strip().partition(b" ")
+        ok = hmac.compare_digest(given.strip(), self.token)
+        return ok and scheme.lower() == b"bearer"
+
+    def _trusted(self, scope: Scope) -> bool:
+        server = scope.get("server")
+        return (
+            isinstance(server, (tuple, list))
+            and len(server) == 2
+            and server[1] is None
+            and str(server[0]) in self.unix_paths
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or self._trusted(scope):
+            await self.app(scope, receive, send)
+            return
+        given = None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+                break
+        if not self._valid(given):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 4401})
+                return
+            problem = "missing" if not given else "wrong"
+            await _send_error(
+                send,
+                401,
+                "unauthorized",
+                f"{problem} bearer token: TCP clients must send 'Authorization: Bearer <token>' with the token "
+                "from the daemon's --token-file (or use the unix socket)",
+                [(b"www-authenticate", b'Bearer realm="transformd"')],
+            )
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """413 for request bodies above ``limit`` bytes (declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        message = f"request body larger than {self.limit} bytes; requests are small JSON objects"
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = self.limit + 1
+                if declared > self.limit:
+                    await _send_error(send, 413, "body_too_large", message)
+                    return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.limit:
+                    raise _TooLarge
+            return msg
+
+        async def tracking_send(msg: Message) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await _send_error(send, 413, "body_too_large", message)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class RequestCounter:
+    """Counts responses in ``transformd_http_requests_total`` by method, route template and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_status(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = int(msg["status"])
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(scope.get("method", "?"), template, str(status[0])).inc()

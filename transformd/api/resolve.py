@@ -1,0 +1,244 @@
+"""``transformd resolve SRC`` (the engine start-up hook) and ``transformd health``.
+
+``resolve`` asks the daemon for the converted checkpoint of ``SRC``, shows the conversion's
+progress on standard error while it waits, and prints the converted directory as the only line
+of standard output, so an engine starts with::
+
+    vllm serve "$(transformd resolve /models/X --target ocp)"
+
+Progress: a tqdm bar when standard error is a terminal, else one line every few seconds (and on
+every change of state), so container logs show how far a long conversion is.
+
+Exit status: 0 with the directory printed; 2 when the request is the problem (4xx: source
+outside the allowed roots, not an MXFP8 checkpoint, bad arguments) or the conversion failed on
+the checkpoint's content; 1 when the daemon cannot be reached, fails (5xx) or the wait timed out.
+Errors are one line on standard error: ``transformd: error: ...``.
+
+``health`` exits 0 when ``GET /healthz`` answers 200 (the Dockerfile's HEALTHCHECK uses it).
+
+``python -m transformd.api.resolve SRC ...`` runs ``resolve`` on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from .client import ENV_SOCKET, ENV_TOKEN_FILE, CheckpointStatus, TransformdClient, TransformdError
+
+__all__ = ["ProgressReporter", "add_commands", "main", "run_health", "run_resolve"]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+
+TARGETS = ("fnuz", "ocp")
+SCALE_MODES = ("exact", "amax")
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``resolve`` and ``health`` (handlers in ``handler``/``func``, as :mod:`transformd.cli` expects)."""
+    connection = argparse.ArgumentParser(add_help=False)
+    where = connection.add_mutually_exclusive_group()
+    where.add_argument("--socket", metavar="PATH",
+                       help=f"daemon's unix socket (default: ${ENV_SOCKET}, $XDG_RUNTIME_DIR/transformd.sock, "
+                            "/run/transformd/transformd.sock)")
+    where.add_argument("--url", metavar="URL", help="daemon's TCP address instead, e.g. http://127.0.0.1:8471")
+    connection.add_argument("--token-file", metavar="FILE",
+                            help=f"bearer token for --url (default: ${ENV_TOKEN_FILE})")
+    connection.add_argument("--request-timeout", metavar="S", type=float, default=30.0,
+                            help="limit for each HTTP request (default 30)")
+
+    resolve = subparsers.add_parser(
+        "resolve",
+        parents=[connection],
+        help="ask the daemon for the converted checkpoint of SRC; print its directory",
+        description="Ask the transformd daemon for the block-FP8 conversion of the MXFP8 checkpoint SRC "
+                    "(converting it now, or from the cache), show progress on standard error while waiting, "
+                    "and print the converted directory as the only line of standard output: "
+                    'vllm serve "$(transformd resolve /models/X --target ocp)".',
+    )
+    resolve.add_argument("src", metavar="SRC", help="MXFP8 checkpoint directory, as the daemon sees it")
+    resolve.add_argument("--target", choices=TARGETS, default="fnuz",
+                         help="fnuz: float8_e4m3fnuz weights for kernels that take FNUZ directly (default); "
+                              "ocp: float8_e4m3fn, for engines that normalize to FNUZ themselves (vLLM, SGLang) "
+                              "and for NVIDIA Hopper")
+    resolve.add_argument("--scale-mode", choices=SCALE_MODES, default="exact",
+                         help="exact: power-of-two tile scales (default); amax: amax/448")
+    resolve.add_argument("--select", metavar="REGEX", help="convert only weights whose name matches")
+    resolve.add_argument("--timeout", metavar="S", type=float, default=None,
+                         help="give up waiting after S seconds (exit 1; the conversion goes on). Default: no limit")
+    resolve.add_argument("--poll-interval", metavar="S", type=float, default=0.5, help=argparse.SUPPRESS)
+    resolve.add_argument("--progress-every", metavar="S", type=float, default=5.0,
+                         help="seconds between progress lines when standard error is not a terminal (default 5)")
+    resolve.set_defaults(handler=run_resolve, func=run_resolve)
+
+    health = subparsers.add_parser(
+        "health",
+        parents=[connection],
+        help="exit 0 when the daemon answers /healthz",
+        description="Check that the transformd daemon answers GET /healthz; exit 0 if so, 1 otherwise.",
+    )
+    health.add_argument("--quiet", "-q", action="store_true", help="print nothing when healthy")
+    health.set_defaults(handler=run_health, func=run_health)
+
+
+def _client(args: argparse.Namespace) -> TransformdClient:
+    return TransformdClient(socket=args.socket, url=args.url, token_file=args.token_file,
+                            timeout=args.request_timeout)
+
+
+def _exit_code(err: TransformdError) -> int:
+    return EXIT_BAD_INPUT if err.is_client_error else EXIT_FAILURE
+
+
+def _fail(err: BaseException, code: int, stream: TextIO | None = None) -> int:
+    message = " ".join(str(err).split()) or type(err).__name__
+    print(f"transformd: error: {message}", file=stream or sys.stderr)
+    return code
+
+
+def run_resolve(args: argparse.Namespace) -> int:
+    """Handler of ``transformd resolve``."""
+    reporter = ProgressReporter(sys.stderr, every_s=args.progress_every)
+    try:
+        with _client(args) as client:
+            path = client.resolve(
+                args.src,
+                target=args.target,
+                scale_mode=args.scale_mode,
+                select=args.select,
+                progress=reporter.update,
+                poll_interval=args.poll_interval,
+                timeout=args.timeout,
+            )
+    except TransformdError as err:
+        reporter.close()
+        return _fail(err, _exit_code(err))
+    except KeyboardInterrupt:
+        reporter.close()
+        return _fail("interrupted (the conversion goes on in the daemon)", 130)
+    reporter.close()
+    print(path, flush=True)
+    return EXIT_OK
+
+
+def run_health(args: argparse.Namespace) -> int:
+    """Handler of ``transformd health``."""
+    try:
+        with _client(args) as client:
+            data = client.health()
+    except TransformdError as err:
+        return _fail(err, EXIT_FAILURE)
+    status = str(data.get("status", "ok"))
+    problems = data.get("problems") or []
+    if status.lower() not in ("ok", "degraded"):
+        return _fail(f"transformd at {client.where} reports status {status!r}: {'; '.join(map(str, problems))}",
+                     EXIT_FAILURE)
+    if status.lower() == "degraded":  # it serves; say why it is degraded, but stay healthy for the probe
+        print(f"transformd: warning: degraded: {'; '.join(map(str, problems)) or 'no reason given'}", file=sys.stderr)
+    if not args.quiet:
+        print(status)
+    return EXIT_OK
+
+
+class ProgressReporter:
+    """Turns :class:`CheckpointStatus` updates into a tqdm bar (terminal) or periodic lines (logs) on ``stream``."""
+
+    def __init__(self, stream: TextIO, *, every_s: float = 5.0, tty: bool | None = None,
+                 clock: Any = time.monotonic) -> None:
+        self._stream = stream
+        self._tty = stream.isatty() if tty is None else tty
+        self._every = every_s
+        self._clock = clock
+        self._bar: Any = None
+        self._last_line: float | None = None
+        self._last_state: str | None = None
+
+    def update(self, status: CheckpointStatus) -> None:
+        if status.ready and self._last_state is None:
+            return  # a cache hit: nothing to report
+        if self._tty:
+            self._update_bar(status)
+        else:
+            self._update_lines(status)
+        self._last_state = status.state
+
+    def _update_bar(self, status: CheckpointStatus) -> None:
+        p = status.progress
+        if p is None or p.bytes_total is None or p.bytes_done is None:
+            if status.state != self._last_state and not status.ready:
+                print(f"transformd: {status.key[:12]} {status.state}", file=self._stream, flush=True)
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=p.bytes_total, unit="B", unit_scale=True, unit_divisor=1024, file=self._stream,
+                             desc=f"converting {status.key[:12]}", dynamic_ncols=True)
+        self._bar.total = p.bytes_total
+        self._bar.update(max(0, p.bytes_done - self._bar.n))
+        if p.tensors_total:
+            self._bar.set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors", refresh=False)
+
+    def _update_lines(self, status: CheckpointStatus) -> None:
+        now = self._clock()
+        changed = status.state != self._last_state
+        due = self._last_line is None or now - self._last_line >= self._every
+        if not (changed or due):
+            return
+        self._last_line = now
+        print(f"transformd: {status.key[:12]} {describe(status)}", file=self._stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def describe(status: CheckpointStatus) -> str:
+    """One line: ``converting 1.2/3.4 GiB (35%), 120/400 tensors, 800 MiB/s, ~3s left``."""
+    p = status.progress
+    if status.ready:
+        return f"ready: {status.path}"
+    if p is None:
+        return status.state
+    parts = [p.phase] if p.phase and p.phase != status.state else []
+    if p.bytes_total:
+        done = _human(p.bytes_done or 0)
+        parts.append(f"{done}/{_human(p.bytes_total)} ({p.fraction:.0%})")
+    if p.tensors_total:
+        parts.append(f"{p.tensors_done or 0}/{p.tensors_total} tensors")
+    if p.rate_bytes_per_s:
+        parts.append(f"{_human(p.rate_bytes_per_s)}/s")
+    if p.eta_s is not None and status.state == "converting":
+        parts.append(f"~{p.eta_s:.0f}s left")
+    return f"{status.state} " + ", ".join(parts) if parts else status.state
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m transformd.api.resolve [resolve] SRC ...`` (or ``health ...``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("resolve", "health", "-h", "--help"):
+        argv.insert(0, "resolve")
+    parser = argparse.ArgumentParser(prog="transformd")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

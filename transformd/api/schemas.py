@@ -1,0 +1,164 @@
+"""Request and response bodies of the HTTP API (pydantic models; they make FastAPI's OpenAPI schema)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+State = Literal["queued", "converting", "ready", "failed"]
+
+#: Longest ``holder`` of a lease.
+MAX_HOLDER_CHARS = 200
+#: Longest ``select`` regular expression.
+MAX_SELECT_CHARS = 1000
+#: A repeated group that itself contains a repetition, e.g. ``(a+)+``: Python's ``re`` can take exponential
+#: time on such patterns (and has no timeout), so ``select`` refuses them.
+_NESTED_REPEAT = re.compile(r"\((?:[^()\\]|\\.)*[*+}](?:[^()\\]|\\.)*\)\s*[*+{]")
+
+
+class CheckpointRequest(BaseModel):
+    """Resolve a source checkpoint: return the cached conversion, or start (or join) one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(..., description="absolute path of the MXFP8 checkpoint directory, under an allowed root")
+    target: Literal["fnuz", "ocp"] = Field("fnuz", description="fnuz: e4m3fnuz (gfx94x); ocp: e4m3fn")
+    scale_mode: Literal["exact", "amax"] = Field("exact", description="exact: power-of-two tile scales; amax: /448")
+    select: str | None = Field(
+        None, max_length=MAX_SELECT_CHARS, description="convert only MXFP8 weights whose name matches (re.search)"
+    )
+
+    @field_validator("select")
+    @classmethod
+    def _check_select(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            re.compile(value)
+        except re.error as e:
+            raise ValueError(f"not a valid regular expression: {e}") from None
+        if _NESTED_REPEAT.search(value):
+            raise ValueError("nested repetition such as (a+)+ is refused (it can take exponential time)")
+        return value
+
+
+class RecipeModel(BaseModel):
+    target: str
+    scale_mode: str
+    select: str | None = None
+    format_version: int
+
+
+class ErrorBody(BaseModel):
+    status: int
+    code: str = Field(..., description="stable machine-readable code, e.g. invalid_checkpoint, source_not_allowed")
+    message: str = Field(..., description="what went wrong and what to do, for a person")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class ProgressModel(BaseModel):
+    phase: str = Field(
+        ..., description="validating, queued, converting, waiting (another process converts), publishing, done, failed"
+    )
+    tensors_done: int | None = None
+    tensors_total: int | None = None
+    bytes_done: int | None = Field(None, description="input bytes converted so far")
+    bytes_total: int | None = None
+    rate_bytes_per_s: float | None = None
+    eta_s: float | None = Field(None, description="estimated seconds left")
+    shard: str | None = Field(None, description="the shard the converter reported last")
+    updated_at: float | None = None
+
+
+class CheckpointInfo(BaseModel):
+    """A checkpoint's conversion: ready (with ``path``), queued or converting (with ``progress``), or failed."""
+
+    key: str = Field(..., description="cache key: 32 hex digits of the source content and the recipe")
+    state: State
+    path: str | None = Field(None, description="the converted checkpoint directory (ready only): give it to the engine")
+    files_url: str
+    status_url: str
+    size_bytes: int | None = Field(None, description="bytes of the entry on disk (ready only)")
+    recipe: RecipeModel | None = None
+    source: str | None = Field(None, description="the source path it was converted from")
+    progress: ProgressModel | None = None
+    error: ErrorBody | None = Field(None, description="why it failed (failed only)")
+    timings: dict[str, float] | None = Field(None, description="seconds per phase of the conversion (ready only)")
+
+
+class TensorModel(BaseModel):
+    dtype: str = Field(..., description="safetensors dtype, e.g. F8_E4M3FNUZ, F32, BF16")
+    shape: list[int]
+    offsets: list[int] = Field(..., min_length=2, max_length=2, description="[begin, end): absolute byte positions")
+
+
+class FileModel(BaseModel):
+    name: str
+    path: str | None = Field(
+        None,
+        description="absolute path to open and map (null: not written yet); while converting it may be in the "
+        "staging directory: open it at once, it is renamed into final_path with the same inode",
+    )
+    final_path: str = Field(..., description="where the file lives once the entry is published")
+    size: int | None = None
+    digest: str | None = Field(None, description="blake3 digest from the manifest (null until published)")
+    ready: bool
+    tensors: dict[str, TensorModel] = Field(default_factory=dict)
+
+
+class FilesResponse(BaseModel):
+    key: str
+    state: State
+    files: list[FileModel]
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ttl_s: float = Field(3600.0, gt=0, description="seconds until the lease expires (at most the daemon's maximum)")
+    holder: str = Field("", max_length=MAX_HOLDER_CHARS, description="who holds it, e.g. 'vllm node-3 rank 0'")
+
+
+class LeaseModel(BaseModel):
+    id: str
+    key: str
+    expires_at: float
+    holder: str = ""
+
+
+class CacheEntryModel(BaseModel):
+    key: str
+    size_bytes: int
+    last_used: float
+    source: str | None = None
+    recipe: RecipeModel | None = None
+    leases: list[LeaseModel] = Field(default_factory=list, description="live leases")
+
+
+class ConversionModel(BaseModel):
+    key: str
+    state: State
+    source: str
+    progress: ProgressModel
+
+
+class CacheModel(BaseModel):
+    root: str
+    usage_bytes: int
+    budget_bytes: int
+    free_bytes: int
+    entries: list[CacheEntryModel]
+    conversions: list[ConversionModel] = Field(default_factory=list, description="conversions of this daemon")
+
+
+class HealthModel(BaseModel):
+    status: Literal["ok", "degraded"]
+    version: str
+    cache_root: str
+    device: str
+    problems: list[str] = Field(default_factory=list)

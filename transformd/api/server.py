@@ -1,0 +1,221 @@
+"""Listeners and the uvicorn server of ``transformd serve``.
+
+The unix socket is created by the daemon itself, so its permissions never depend on the umask:
+its directory is created 0750 when missing, the socket is bound, set to 0660 and only then listens
+(a client cannot connect in between). A socket file left by a dead daemon is replaced; a live one
+(something accepts connections on it) or a path that is not a socket stops the start with an error.
+The file is removed at exit if it is still the one this daemon created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import gc
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from .settings import Settings, SettingsError
+
+log = logging.getLogger("transformd.api")
+
+SOCKET_MODE = 0o660
+SOCKET_DIR_MODE = 0o750
+#: Pending connections the kernel queues per listener.
+BACKLOG = 1024
+#: Connections and in-flight requests uvicorn serves at once; more get 503.
+MAX_CONCURRENCY = 2048
+
+
+def bind_unix_socket(path: Path) -> socket.socket:
+    """A listening unix socket at ``path`` with permissions 0660 (directory 0750 if this creates it)."""
+    parent = path.parent
+    if not parent.exists():
+        try:
+            parent.mkdir(parents=True, mode=SOCKET_DIR_MODE)
+            os.chmod(parent, SOCKET_DIR_MODE)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise SettingsError(
+                f"cannot create the socket directory {parent}: {e.strerror}; choose another --socket "
+                "(or set TRANSFORMD_SOCKET / XDG_RUNTIME_DIR)"
+            ) from e
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SettingsError(f"{path} exists and is not a socket; refusing to replace it: choose another --socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(os.fspath(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # left by a daemon that died
+        except OSError as e:
+            raise SettingsError(f"cannot check the existing socket {path}: {e.strerror}") from e
+        else:
+            raise SettingsError(f"another daemon is already listening on {path}; stop it or choose another --socket")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(os.fspath(path))
+        os.chmod(path, SOCKET_MODE)
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        raise SettingsError(f"cannot listen on unix socket {path}: {e.strerror}") from e
+    sock.setblocking(False)
+    return sock
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SettingsError(f"cannot resolve --host {host}: {e}") from e
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        hint = " (another process uses the port)" if e.errno == errno.EADDRINUSE else ""
+        raise SettingsError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from e
+    sock.setblocking(False)
+    return sock
+
+
+@dataclass
+class Listeners:
+    """The daemon's listening sockets."""
+
+    sockets: list[socket.socket] = field(default_factory=list)
+    unix_path: Path | None = None
+    tcp_address: tuple[str, int] | None = None
+    _unix_id: tuple[int, int] | None = None
+
+    def urls(self) -> list[str]:
+        out = []
+        if self.unix_path is not None:
+            out.append(f"unix:{self.unix_path}")
+        if self.tcp_address is not None:
+            host, port = self.tcp_address
+            out.append(f"http://{'[' + host + ']' if ':' in host else host}:{port}")
+        return out
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close()
+        self.sockets = []
+        if self.unix_path is not None and self._unix_id is not None:
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.unix_path)
+                if (st.st_dev, st.st_ino) == self._unix_id:
+                    os.unlink(self.unix_path)
+
+
+def open_listeners(settings: Settings) -> Listeners:
+    """Bind what ``settings`` asks for (raises :class:`SettingsError` with what to change)."""
+    settings.check()
+    out = Listeners()
+    try:
+        path = settings.socket_path()
+        if path is not None:
+            out.sockets.append(bind_unix_socket(path))
+            st = os.lstat(path)
+            out.unix_path, out._unix_id = path, (st.st_dev, st.st_ino)
+        if settings.port is not None:
+            sock = bind_tcp(settings.tcp_host(), settings.port)
+            out.sockets.append(sock)
+            host, port = sock.getsockname()[:2]
+            out.tcp_address = (str(host), int(port))
+            if not ipaddress.ip_address(str(host)).is_loopback:
+                log.warning(
+                    "listening on %s:%s, which is not a loopback address: the bearer token and the traffic are "
+                    "not encrypted; put a TLS proxy in front or keep it on a private network",
+                    host,
+                    port,
+                )
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def build_server(app: Any, settings: Settings) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",
+        lifespan="on",
+        proxy_headers=False,
+        server_header=False,
+        limit_concurrency=MAX_CONCURRENCY,
+        backlog=BACKLOG,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
+    )
+    return uvicorn.Server(config)
+
+
+async def run_server(
+    server: uvicorn.Server, listeners: Listeners, on_started: Callable[[], None] | None = None
+) -> bool:
+    """Serve until shut down; ``on_started`` runs once the app has started. False if it never started."""
+    task = asyncio.ensure_future(server.serve(sockets=listeners.sockets))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if server.started and on_started is not None:
+        on_started()
+    await task
+    return server.started
+
+
+def serve(settings: Settings, *, converter: Any = None, stream: Any = None) -> int:
+    """Run the daemon in this process until SIGINT/SIGTERM; returns the exit status."""
+    from .app import create_app
+
+    stream = stream or sys.stderr
+    app = create_app(settings, converter=converter)
+    listeners = open_listeners(settings)
+    server = build_server(app, settings)
+
+    def announce() -> None:
+        print(f"transformd: listening on {' and '.join(listeners.urls())}", file=stream, flush=True)
+
+    # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then restores the previous handlers and raises the
+    # signal again; these handlers make that second delivery a no-op, so the socket is removed and the exit
+    # status is 0 after a requested stop.
+    # Move everything loaded so far (torch, the app) out of the collector's view: a full collection of that
+    # heap otherwise pauses the event loop for ~100 ms every few hundred requests.
+    gc.collect()
+    gc.freeze()
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, f: received.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        started = asyncio.run(run_server(server, listeners, announce))
+    finally:
+        listeners.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        gc.unfreeze()
+    return 0 if started else 1

@@ -1,0 +1,425 @@
+"""Conversion jobs of the daemon: single flight per key, a bounded queue, worker threads off the event loop.
+
+One :class:`Job` per cache key at a time. A ``POST /v1/checkpoints`` that misses the cache calls
+:meth:`ConversionService.ensure_job`: the first request for a key creates the job and checks the
+checkpoint (``converter.plan``, headers only; an invalid checkpoint is a 422 for every request that
+waits on that check, and nothing is written); concurrent requests for the same key join the same
+job and never start a second thread. Checked jobs wait in a FIFO queue (at most
+``max_queued`` of them; more is a 503) for one of ``max_concurrent`` worker threads, which runs
+:meth:`transformd.cache.Cache.get_or_convert` (the cache adds single flight across processes, the
+atomic publish and the eviction). Progress comes back through the cache's progress callback.
+
+The event loop never waits on a conversion, a hash or a directory scan: source checks, identities
+and plans run in anyio's worker threads; conversions in the service's own (daemon) threads, which
+stop at the next progress update when the daemon shuts down (:class:`ConversionCancelled`); the
+cache removes their staging directories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+
+from ..cache import Cache, ConversionStatus, Entry, Recipe, SourceIdentity
+from .errors import ApiError, error_for_exception
+from .metrics import Metrics
+from .paths import SourcePolicy
+from .shards import ConversionOutline, ShardPriority, bind_shard_order, plan_of
+
+log = logging.getLogger("transformd.api")
+
+#: How long a finished job (its error, its timings) stays visible to ``GET /v1/checkpoints/{key}``.
+FINISHED_TTL_S = 3600.0
+#: Finished jobs remembered at the most.
+MAX_FINISHED_JOBS = 1024
+#: Window of the transfer rate estimate (seconds).
+RATE_WINDOW_S = 10.0
+#: How often a waiting worker polls another process' conversion (seconds).
+POLL_INTERVAL_S = 0.2
+
+
+class ConversionCancelled(BaseException):
+    """Raised from the progress callback to stop a conversion when the daemon shuts down.
+
+    A BaseException, like KeyboardInterrupt: the cache removes the staging directory but records no failure.
+    """
+
+
+@dataclass(frozen=True)
+class ProgressInfo:
+    """Where a conversion stands. ``phase``: validating, queued, converting, waiting (another process converts
+    it), publishing (digests and fsync), done, failed."""
+
+    phase: str
+    tensors_done: int | None = None
+    tensors_total: int | None = None
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+    rate_bytes_per_s: float | None = None
+    eta_s: float | None = None
+    shard: str | None = None
+    updated_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _RateMeter:
+    """Bytes per second over the last :data:`RATE_WINDOW_S` seconds."""
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, t: float, done: int) -> float | None:
+        self._samples.append((t, done))
+        while len(self._samples) > 2 and t - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+        t0, d0 = self._samples[0]
+        return (done - d0) / (t - t0) if t - t0 >= 0.2 and done >= d0 else None
+
+
+def progress_from_detail(detail: Any) -> dict[str, Any]:
+    """The counters of a converter's progress update (a :class:`transformd.checkpoint.Progress` as a dict)."""
+    out: dict[str, Any] = {}
+    if isinstance(detail, dict):
+        for name in ("tensors_done", "tensors_total", "bytes_done", "bytes_total"):
+            value = detail.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                out[name] = value
+        if isinstance(detail.get("shard"), str):
+            out["shard"] = detail["shard"]
+    return out
+
+
+class Job:
+    """One conversion of one key in this daemon, from the first request to ready or failed.
+
+    Written by one worker thread (``on_status``, ``start``, ``finish``, ``fail``) and read by the event
+    loop; every update replaces immutable values, so readers see a consistent snapshot.
+    """
+
+    def __init__(self, key: str, source: Path, recipe: Recipe):
+        self.key = key
+        self.source = source
+        self.recipe = recipe
+        self.priority = ShardPriority()
+        self.outline: ConversionOutline | None = None
+        self.state = "queued"
+        self.error: ApiError | None = None
+        self.outcome: str | None = None
+        self.created_at = time.time()
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self.entry_path: Path | None = None
+        self.staging_dir: str | None = None
+        self.cancel = threading.Event()
+        self.validation: asyncio.Task[None] | None = None
+        self._progress = ProgressInfo("validating", updated_at=self.created_at)
+        self._rate = _RateMeter()
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("queued", "converting")
+
+    @property
+    def progress(self) -> ProgressInfo:
+        return self._progress
+
+    def _set_progress(self, **changes: Any) -> None:
+        cur = asdict(self._progress)
+        cur.update(changes)
+        cur["updated_at"] = time.time()
+        self._progress = ProgressInfo(**cur)
+
+    def queued(self, outline: ConversionOutline | None) -> None:
+        self.outline = outline
+        totals = {}
+        if outline is not None:
+            totals = {"tensors_total": outline.tensors_total, "bytes_total": outline.bytes_total}
+        self._set_progress(phase="queued", tensors_done=0, bytes_done=0, **totals)
+
+    def start(self) -> None:
+        self.started_at = time.time()
+        self.state = "converting"
+        self._set_progress(phase="converting")
+
+    def on_status(self, status: ConversionStatus) -> None:
+        """The cache's progress callback (worker thread). Stops the conversion once the job is cancelled."""
+        if self.cancel.is_set():
+            raise ConversionCancelled(self.key)
+        if status.staging_dir:
+            self.staging_dir = status.staging_dir
+        phase = "waiting" if status.waiting else ("publishing" if status.state == "publishing" else "converting")
+        changes: dict[str, Any] = {"phase": phase}
+        if phase != "publishing":  # publishing reports output bytes hashed, not conversion progress
+            changes.update(progress_from_detail(status.detail))
+        done, total = changes.get("bytes_done"), changes.get("bytes_total", self._progress.bytes_total)
+        if isinstance(done, int):
+            rate = self._rate.add(time.monotonic(), done)
+            changes["rate_bytes_per_s"] = None if rate is None else round(rate, 1)
+            if rate and total is not None:
+                changes["eta_s"] = round(max(0, total - done) / rate, 1)
+        self._set_progress(**changes)
+
+    def finish(self, entry: Entry) -> None:
+        self.entry_path = entry.path
+        self.outcome = entry.outcome
+        p = self._progress
+        self._set_progress(
+            phase="done",
+            tensors_done=p.tensors_total if p.tensors_total is not None else p.tensors_done,
+            bytes_done=p.bytes_total if p.bytes_total is not None else p.bytes_done,
+            eta_s=0.0,
+        )
+        self.finished_at = time.time()
+        self.state = "ready"
+
+    def fail(self, error: ApiError, outcome: str) -> None:
+        self.error = error
+        self.outcome = outcome
+        self._set_progress(phase="failed", eta_s=None, rate_bytes_per_s=None)
+        self.finished_at = time.time()
+        self.state = "failed"
+
+
+class ConversionService:
+    """Jobs by key, the queue and the workers. Methods without ``async`` must be called on the event loop
+    unless they say otherwise."""
+
+    def __init__(
+        self,
+        cache: Cache,
+        converter: Any,
+        policy: SourcePolicy,
+        metrics: Metrics,
+        *,
+        max_concurrent: int = 1,
+        max_queued: int = 16,
+        on_change: Callable[[], None] | None = None,
+    ):
+        self.cache = cache
+        self.converter = converter
+        self.policy = policy
+        self.metrics = metrics
+        self.max_concurrent = max(1, max_concurrent)
+        self.max_queued = max(0, max_queued)
+        self._on_change = on_change
+        self._jobs: dict[str, Job] = {}
+        self._identifying: dict[str, asyncio.Future[SourceIdentity]] = {}
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        for i in range(self.max_concurrent):
+            t = threading.Thread(target=self._worker, name=f"transformd-conversion-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    async def close(self, grace_s: float = 10.0) -> None:
+        """Refuse new jobs, cancel running and queued ones, wait up to ``grace_s`` for the workers to clean up."""
+        self._closing = True
+        for job in self._jobs.values():
+            if job.active:
+                job.cancel.set()
+        for _ in self._workers:
+            self._queue.put(None)
+        deadline = time.monotonic() + grace_s
+
+        def join() -> None:
+            for t in self._workers:
+                t.join(max(0.0, deadline - time.monotonic()))
+
+        await anyio.to_thread.run_sync(join)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # ------------------------------------------------------------------ lookups (event loop, no I/O)
+
+    def job(self, key: str) -> Job | None:
+        return self._jobs.get(key)
+
+    def active_jobs(self) -> list[Job]:
+        return [j for j in self._jobs.values() if j.active]
+
+    def queued_count(self) -> int:
+        return sum(1 for j in self._jobs.values() if j.state == "queued")
+
+    def known_invalid(self, key: str) -> ApiError | None:
+        """The 422 of a recent check or conversion of this key that found the checkpoint invalid.
+
+        The key names the content, so the same content fails the same way again: it is not retried (until the
+        daemon restarts or an hour passes). Other failures (I/O, disk full, permissions) are retried.
+        """
+        job = self._jobs.get(key)
+        if (
+            job is not None
+            and job.state == "failed"
+            and job.error is not None
+            and job.error.code == "invalid_checkpoint"
+            and time.time() - (job.finished_at or 0) < FINISHED_TTL_S
+        ):
+            return job.error
+        return None
+
+    # ------------------------------------------------------------------ identify (coalesced, in a thread)
+
+    async def identify(self, source: str) -> SourceIdentity:
+        """Check ``source`` against the allowed roots and compute its content identity.
+
+        Concurrent calls for the same source share one thread. Raises :class:`ApiError`.
+        """
+        fut = self._identifying.get(source)
+        if fut is None:
+            fut = asyncio.ensure_future(anyio.to_thread.run_sync(self._identify_blocking, source))
+            self._identifying[source] = fut
+
+            def forget(f: asyncio.Future[SourceIdentity]) -> None:
+                self._identifying.pop(source, None)
+                if not f.cancelled():
+                    f.exception()  # retrieved here, so a caller that went away leaves no warning
+
+            fut.add_done_callback(forget)
+        try:
+            return await asyncio.shield(fut)
+        except ApiError:
+            raise
+        except Exception as exc:
+            raise error_for_exception(exc) from exc
+
+    def _identify_blocking(self, source: str) -> SourceIdentity:
+        real = self.policy.resolve(source)
+        return self.cache.identity(real)
+
+    # ------------------------------------------------------------------ jobs
+
+    async def ensure_job(self, key: str, source: Path, recipe: Recipe) -> Job:
+        """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
+
+        Raises :class:`ApiError`: 422 invalid checkpoint (for every request waiting on the check), 503 queue
+        full or shutting down.
+        """
+        job = self._jobs.get(key)
+        if job is None or not job.active:
+            if self._closing:
+                raise ApiError(503, "shutting_down", "the daemon is shutting down; retry against its successor")
+            running = sum(1 for j in self._jobs.values() if j.state == "converting")
+            free_workers = max(0, self.max_concurrent - running)
+            if self.queued_count() >= self.max_queued + free_workers:
+                raise ApiError(
+                    503,
+                    "queue_full",
+                    f"{self.queued_count()} conversions are already waiting for one of {self.max_concurrent} "
+                    "workers; retry later (or raise --max-concurrent-conversions)",
+                    headers={"Retry-After": "5"},
+                )
+            self._prune()
+            job = Job(key, source, recipe)
+            self._jobs[key] = job
+            job.validation = asyncio.ensure_future(self._validate(job))
+        assert job.validation is not None
+        await asyncio.shield(job.validation)
+        return job
+
+    async def _validate(self, job: Job) -> None:
+        try:
+            outline = await anyio.to_thread.run_sync(plan_of, self.converter, job.source, job.recipe)
+        except Exception as exc:  # noqa: BLE001 - every failure of the check is reported as an API error
+            err = error_for_exception(exc)
+            outcome = "invalid" if err.status == 422 else "failed"
+            job.fail(err, outcome)
+            self.metrics.conversions.labels(outcome).inc()
+            raise err from None
+        if self._closing:
+            err = ApiError(503, "shutting_down", "the daemon is shutting down; retry against its successor")
+            job.fail(err, "cancelled")
+            raise err
+        job.queued(outline)
+        self.metrics.queued.inc()
+        self._queue.put(job)
+
+    def _prune(self) -> None:
+        now = time.time()
+        finished = [j for j in self._jobs.values() if not j.active]
+        finished.sort(key=lambda j: j.finished_at or 0)
+        excess = len(finished) - MAX_FINISHED_JOBS
+        for i, j in enumerate(finished):
+            if i < excess or now - (j.finished_at or 0) > FINISHED_TTL_S:
+                self._jobs.pop(j.key, None)
+
+    # ------------------------------------------------------------------ workers (their own threads)
+
+    def _worker(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self.metrics.queued.dec()
+            if job.cancel.is_set():
+                job.fail(ApiError(503, "cancelled", "the daemon stopped before this conversion started"), "cancelled")
+                self.metrics.conversions.labels("cancelled").inc()
+                continue
+            try:
+                self._run(job)
+            except BaseException:
+                log.exception("conversion worker: unexpected error in job %s", job.key)
+
+    def _run(self, job: Job) -> None:
+        job.start()
+        self.metrics.in_progress.inc()
+        t0 = time.monotonic()
+        outcome = "failed"
+        try:
+            entry = self.cache.get_or_convert(
+                job.source,
+                job.recipe,
+                progress=job.on_status,
+                converter=bind_shard_order(self.converter, job.priority),
+                poll_interval=POLL_INTERVAL_S,
+            )
+            if entry.key != job.key:
+                raise ApiError(
+                    409,
+                    "source_changed",
+                    f"source {job.source} changed after it was requested (its content now has key {entry.key}); "
+                    "POST it again",
+                )
+            outcome = {"converted": "converted", "waited": "waited"}.get(entry.outcome, "hit")
+            if outcome == "converted":
+                self.metrics.conversion_seconds.observe(time.monotonic() - t0)
+                self.metrics.converted_bytes.inc(entry.manifest.total_bytes)
+            job.finish(entry)
+        except ConversionCancelled:
+            outcome = "cancelled"
+            job.fail(ApiError(503, "cancelled", "the daemon stopped during this conversion; POST it again"), outcome)
+        except BaseException as exc:
+            err = error_for_exception(exc)
+            outcome = "invalid" if err.status == 422 else "failed"
+            if err.status >= 500:
+                log.error("conversion of %s (key %s) failed: %s", job.source, job.key, exc)
+            job.fail(err, outcome)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self.metrics.in_progress.dec()
+            if outcome != "hit":
+                self.metrics.conversions.labels(outcome).inc()
+            if self._on_change is not None:
+                try:
+                    self._on_change()
+                except Exception:
+                    log.debug("cache gauge refresh failed", exc_info=True)

@@ -1,0 +1,178 @@
+"""Settings of ``transformd serve``: command-line flags > ``TRANSFORMD_*`` environment variables > defaults.
+
+=====================================  ==========================================  =============================
+setting (flag)                         environment variable                        default
+=====================================  ==========================================  =============================
+``socket`` (``--socket``)              ``TRANSFORMD_SOCKET``                       see :func:`default_socket_path`
+``host`` (``--host``)                  ``TRANSFORMD_HOST``                         ``127.0.0.1`` (with a port)
+``port`` (``--port``)                  ``TRANSFORMD_PORT``                         none: no TCP listener
+``token_file`` (``--token-file``)      ``TRANSFORMD_TOKEN_FILE``                   none (required with a port)
+``cache_dir`` (``--cache-dir``)        ``TRANSFORMD_CACHE_DIR``                    the cache's default root
+``cache_budget`` (``--cache-budget``)  ``TRANSFORMD_CACHE_BUDGET``                 the cache's ``config.json``
+``allow_roots`` (``--allow-root``)     ``TRANSFORMD_ALLOW_ROOTS`` (``os.pathsep``)  none: every source is refused
+``device`` (``--device``)              ``TRANSFORMD_DEVICE``                       ``auto``
+``max_concurrent_conversions``         ``TRANSFORMD_MAX_CONCURRENT_CONVERSIONS``   1
+``max_queued_conversions``             ``TRANSFORMD_MAX_QUEUED_CONVERSIONS``       16
+``max_lease_ttl_s``                    ``TRANSFORMD_MAX_LEASE_TTL_S``              7 days
+``log_level`` (``--log-level``)        ``TRANSFORMD_LOG_LEVEL``                    ``info``
+=====================================  ==========================================  =============================
+
+Listeners: a unix socket by default. ``--port`` opens a TCP listener (on ``--host``, loopback by
+default) and then requires ``--token-file``; with a port, the unix socket is opened too only
+when a socket path is given explicitly (flag or ``TRANSFORMD_SOCKET``).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+#: Environment variable prefix of every setting.
+ENV_PREFIX = "TRANSFORMD_"
+#: The socket of a daemon run as root when nothing else is configured.
+SYSTEM_SOCKET = Path("/run/transformd/transformd.sock")
+#: Longest unix socket path the kernel accepts (sun_path is 108 bytes with the terminating NUL).
+MAX_SOCKET_PATH_BYTES = 107
+#: Upper bound of a bearer token file (it is one line).
+MAX_TOKEN_BYTES = 4096
+#: Shortest accepted bearer token.
+MIN_TOKEN_CHARS = 16
+
+
+class SettingsError(ValueError):
+    """The settings cannot work (e.g. TCP without a token); the message says what to change."""
+
+
+def default_socket_path(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The unix socket path: ``explicit`` > ``$TRANSFORMD_SOCKET`` > ``$XDG_RUNTIME_DIR/transformd.sock`` >
+    ``/run/transformd/transformd.sock``.
+
+    The same order as the client's, so a client and a daemon started in one environment meet.
+    """
+    if explicit is not None and os.fspath(explicit) != "":
+        return Path(explicit).expanduser().absolute()
+    env = os.environ.get(ENV_PREFIX + "SOCKET")
+    if env:
+        return Path(env).expanduser().absolute()
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "transformd.sock"
+    return SYSTEM_SOCKET
+
+
+class Settings(BaseSettings):
+    """Everything ``transformd serve`` can be told. Build with keyword arguments (flags); the rest comes from
+    ``TRANSFORMD_*`` variables."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
+
+    socket: Path | None = Field(None, description="unix socket path (see default_socket_path)")
+    host: str | None = Field(None, description="TCP address to bind; 127.0.0.1 unless set")
+    port: int | None = Field(None, ge=0, le=65535, description="TCP port (0: any free port); enables TCP")
+    token_file: Path | None = Field(None, description="file holding the bearer token TCP clients must send")
+    cache_dir: Path | None = Field(None, description="cache root")
+    cache_budget: str | None = Field(None, description="cache byte budget: bytes, 500G, 1.5TiB, 80%")
+    allow_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list, description="directories sources must be under (after resolving symlinks)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_concurrent_conversions: int = Field(1, ge=1, le=64)
+    max_queued_conversions: int = Field(16, ge=0, le=100_000, description="conversions waiting for a worker")
+    max_lease_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
+    default_lease_ttl_s: float = Field(3600.0, gt=0)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    #: seconds the daemon waits for cancelled conversions to clean up when it stops
+    shutdown_grace_s: float = Field(10.0, ge=0)
+
+    @field_validator("allow_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [p for p in value.split(os.pathsep) if p]
+        return value
+
+    @field_validator("allow_roots")
+    @classmethod
+    def _absolute_roots(cls, value: list[Path]) -> list[Path]:
+        out = []
+        for p in value:
+            p = p.expanduser()
+            if not p.is_absolute():
+                raise ValueError(f"allowed root {p} is not an absolute path")
+            out.append(p)
+        return out
+
+    @field_validator("socket", "token_file", "cache_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def tcp_enabled(self) -> bool:
+        return self.port is not None
+
+    @property
+    def socket_enabled(self) -> bool:
+        """A unix socket unless TCP was asked for without naming a socket."""
+        return not self.tcp_enabled or self.socket is not None
+
+    def socket_path(self) -> Path | None:
+        return default_socket_path(self.socket) if self.socket_enabled else None
+
+    def tcp_host(self) -> str:
+        return self.host or "127.0.0.1"
+
+    def resolved_allow_roots(self) -> list[Path]:
+        """The allowed roots with symlinks resolved (roots that do not exist yet are resolved as far as they do)."""
+        return [Path(os.path.realpath(p)) for p in self.allow_roots]
+
+    def check(self) -> None:
+        """Raise :class:`SettingsError` for combinations that cannot work."""
+        if self.host is not None and self.port is None:
+            raise SettingsError(f"--host {self.host} needs --port (TCP is off without a port)")
+        if self.tcp_enabled and self.token_file is None:
+            raise SettingsError(
+                "TCP (--port) requires a bearer token: pass --token-file FILE (or TRANSFORMD_TOKEN_FILE) holding "
+                f"one line of at least {MIN_TOKEN_CHARS} characters, e.g. from `openssl rand -hex 32`"
+            )
+        path = self.socket_path()
+        if path is not None and len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+            raise SettingsError(
+                f"unix socket path {path} is {len(os.fsencode(path))} bytes; the limit is {MAX_SOCKET_PATH_BYTES}: "
+                "choose a shorter --socket"
+            )
+
+    def load_token(self) -> bytes | None:
+        """The bearer token (TCP only), read from ``token_file``; None without TCP."""
+        if not self.tcp_enabled:
+            return None
+        self.check()
+        assert self.token_file is not None
+        return read_token_file(self.token_file)
+
+
+def read_token_file(path: Path) -> bytes:
+    """The token in ``path`` (surrounding whitespace removed). Raises :class:`SettingsError` when unusable."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise SettingsError(f"token file {path} is not a regular file")
+        if st.st_size > MAX_TOKEN_BYTES:
+            raise SettingsError(f"token file {path} is {st.st_size} bytes; a token is one short line")
+        with open(path, "rb") as f:
+            token = f.read(MAX_TOKEN_BYTES).strip()
+    except OSError as e:
+        raise SettingsError(f"cannot read token file {path}: {e.strerror or e}") from e
+    if len(token) < MIN_TOKEN_CHARS or any(c <= 0x20 or c >= 0x7F for c in token):
+        raise SettingsError(
+            f"token file {path} must hold one line of at least {MIN_TOKEN_CHARS} printable ASCII characters "
+            "without spaces (e.g. `openssl rand -hex 32 > FILE`)"
+        )
+    return token

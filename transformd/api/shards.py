@@ -1,0 +1,181 @@
+"""Shard-level just-in-time: the order in which a conversion writes its shards, changed while it runs.
+
+The daemon hands every conversion a :class:`ShardPriority`. An engine that asks for a shard that is not
+written yet (``GET /v1/checkpoints/{key}/files/{name}`` -> 202) calls :meth:`ShardPriority.request`;
+the converter asks :meth:`ShardPriority.next` before it starts each shard and reports each finished
+shard with :meth:`ShardPriority.done`, so the daemon can serve it from the staging directory before the
+whole checkpoint is published.
+
+The hook this needs in :func:`transformd.checkpoint.convert_checkpoint` (the :class:`ShardOrder`
+protocol below)::
+
+    convert_checkpoint(src, out, *, ..., shard_order: ShardOrder | None = None) -> ConversionResult
+
+* ``shard_order.next(pending)`` is called (from any thread) right before the conversion starts
+  reading a shard; ``pending`` lists the shards not started yet, in index order; it returns one of
+  them, which is the shard started next. Without ``shard_order``: index order, as today.
+* ``shard_order.done(name, path)`` is called once the output shard ``path`` (in the conversion's
+  staging directory) is completely written and fsynced and will not change again. The file keeps its
+  inode through the renames into ``entries/<key>/checkpoint/``, so a reader that opened or mapped
+  ``path`` keeps valid bytes.
+
+:class:`TransformdShardConverter` passes ``shard_order`` when the installed ``convert_checkpoint``
+accepts it and converts in index order otherwise (shards are then served when the entry is ready).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from ..cache import Recipe
+
+
+@runtime_checkable
+class ShardOrder(Protocol):
+    """What a converter calls to choose its next shard and to report a finished one."""
+
+    def next(self, pending: Sequence[str]) -> str: ...
+
+    def done(self, name: str, path: Path) -> None: ...
+
+
+class ShardPriority:
+    """A thread-safe :class:`ShardOrder`: requested shards first (first requested, first served), then index order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requested: list[str] = []
+        self._started: list[str] = []
+        self._finished: dict[str, Path] = {}
+
+    def request(self, name: str) -> None:
+        """Ask for shard ``name`` to be converted before the shards nobody asked for (idempotent)."""
+        with self._lock:
+            if name not in self._requested and name not in self._started:
+                self._requested.append(name)
+
+    def next(self, pending: Sequence[str]) -> str:
+        if not pending:
+            raise ValueError("ShardPriority.next() called with no pending shards")
+        with self._lock:
+            waiting = set(pending)
+            choice = next((n for n in self._requested if n in waiting), pending[0])
+            if choice in self._requested:
+                self._requested.remove(choice)
+            self._started.append(choice)
+            return choice
+
+    def done(self, name: str, path: Path) -> None:
+        with self._lock:
+            self._finished[name] = Path(path)
+
+    def finished(self) -> dict[str, Path]:
+        """Shards written completely so far, with their path in the staging directory."""
+        with self._lock:
+            return dict(self._finished)
+
+    def started(self) -> list[str]:
+        with self._lock:
+            return list(self._started)
+
+    def requested(self) -> list[str]:
+        with self._lock:
+            return list(self._requested)
+
+
+@dataclass(frozen=True)
+class ConversionOutline:
+    """What the daemon knows of a conversion before it starts: output shard names and totals."""
+
+    shards: tuple[str, ...]
+    tensors_total: int | None = None
+    bytes_total: int | None = None
+
+
+class ServiceConverter(Protocol):
+    """A cache :class:`~transformd.cache.Converter` that also takes ``shard_order``; ``plan`` is optional.
+
+    ``plan(src, recipe)`` checks the checkpoint without converting it (raises ``CheckpointError`` /
+    ``MxFormatError``, which the API reports as 422) and returns its :class:`ConversionOutline`.
+    """
+
+    def __call__(
+        self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None], *, shard_order: ShardOrder | None
+    ) -> Any: ...
+
+
+class TransformdShardConverter:
+    """:func:`transformd.checkpoint.convert_checkpoint` as a service converter (plan + shard order)."""
+
+    def __init__(self, device: str = "auto"):
+        self.device = device
+
+    @functools.cached_property
+    def supports_shard_order(self) -> bool:
+        """Does the installed ``convert_checkpoint`` take ``shard_order``?"""
+        from ..checkpoint import convert_checkpoint
+
+        return "shard_order" in inspect.signature(convert_checkpoint).parameters
+
+    def plan(self, src: Path, recipe: Recipe) -> ConversionOutline:
+        from ..checkpoint import plan_conversion
+
+        plan = plan_conversion(src, select=recipe.select)
+        return ConversionOutline(tuple(s.name for s in plan.shards), plan.tensor_count, plan.data_bytes)
+
+    def __call__(
+        self,
+        src: Path,
+        out: Path,
+        recipe: Recipe,
+        progress: Callable[[Any], None],
+        *,
+        shard_order: ShardOrder | None = None,
+    ) -> Any:
+        from ..checkpoint import convert_checkpoint
+
+        extra: dict[str, Any] = {}
+        if shard_order is not None and self.supports_shard_order:
+            extra["shard_order"] = shard_order
+        return convert_checkpoint(
+            src,
+            out,
+            target=recipe.target,
+            scale_mode=recipe.scale_mode,
+            select=recipe.select,
+            device=self.device,
+            overwrite=False,
+            progress=progress,
+            **extra,
+        )
+
+    def __repr__(self) -> str:
+        return f"TransformdShardConverter(device={self.device!r})"
+
+
+def bind_shard_order(converter: Any, shard_order: ShardOrder) -> Callable[..., Any]:
+    """``converter`` as a plain cache converter that passes ``shard_order`` if it takes one."""
+    try:
+        params = inspect.signature(converter).parameters
+    except (TypeError, ValueError):
+        return converter
+    if "shard_order" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return functools.partial(converter, shard_order=shard_order)
+    return converter
+
+
+def plan_of(converter: Any, src: Path, recipe: Recipe) -> ConversionOutline | None:
+    """``converter.plan(src, recipe)`` when the converter has one; None otherwise."""
+    plan = getattr(converter, "plan", None)
+    return None if plan is None else plan(src, recipe)
+
+
+def is_shard_file(name: str) -> bool:
+    return name.endswith(".safetensors") and os.sep not in name and "/" not in name

@@ -1,0 +1,299 @@
+"""Map converted shards read-only and hand out zero-copy torch tensors.
+
+:func:`load_tensors` opens each safetensors file once, maps it whole with
+``mmap(..., access=ACCESS_READ)`` (a shared, read-only mapping), and cuts every tensor out of the
+mapping with :func:`torch.frombuffer`: no byte is copied or read until a tensor is touched, and
+the kernel pages the data in from the page cache. Because the mapping is shared and backed by the
+file, **every process on the node that maps the same file (every rank of a tensor-parallel engine,
+every replica) shares one copy of the data in the page cache**; loading N ranks costs the file's
+size in memory once, not N times, and a second start finds the pages already there.
+
+The tensor table comes from the daemon's ``GET /v1/checkpoints/{key}/files`` (absolute offsets, so
+nothing is parsed here) or, for a directory or file paths, from the files' own headers
+(:func:`transformd.safetensors_io.read_header`, which validates them).
+
+Lifetime and safety:
+
+* each tensor holds a reference to its file's mapping (through the buffer ``torch.frombuffer``
+  took), so the mapping lives exactly as long as some tensor, or a view of one, still uses it;
+  nothing has to be closed by hand;
+* the mapping is read-only: **writing to a returned tensor kills the process with SIGSEGV** (the
+  page is mapped without write permission). Clone a tensor you need to modify, or pass
+  ``writable=True`` for a private copy-on-write mapping (pages stay shared until written; writes
+  never reach the file);
+* a cache entry evicted while mapped stays readable (Linux keeps an unlinked file's pages while a
+  mapping holds it), but hold a lease (:meth:`TransformdClient.lease`) while serving so the next
+  rank or restart still finds it;
+* a tensor whose offset is not a multiple of its element size (possible in a safetensors file,
+  never in transformd's own output for the usual dtypes) is copied into an aligned buffer instead;
+  ``result.copied`` lists them.
+
+``device="cuda"`` (or any non-CPU device) copies each tensor to the device; the mapping is then
+only the source of that one copy.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+import torch
+
+from .safetensors_io import DTYPE_BITS, TORCH_DTYPES, CheckpointError, read_header
+
+if TYPE_CHECKING:
+    from .api.client import ShardFile, TransformdClient
+
+__all__ = ["LoadedTensors", "MappedFile", "load_from_daemon", "load_tensors"]
+
+#: What :func:`load_tensors` accepts: a checkpoint directory or a .safetensors file; a list of those
+#: files; the daemon's ``/files`` answer (``{"files": [...]}``), its list of file objects, or
+#: :class:`transformd.api.client.ShardFile` objects.
+FilesOrDir = Union[str, os.PathLike, Mapping[str, Any], Iterable[Any]]
+
+
+@dataclass(frozen=True)
+class MappedFile:
+    """One mapped file: where the mapping starts in this process's address space, and its length."""
+
+    path: Path
+    address: int
+    size: int
+
+    def contains(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor``'s bytes lie inside this mapping (it is a zero-copy view of the file)."""
+        begin = tensor.data_ptr()
+        end = begin + tensor.numel() * tensor.element_size()
+        return self.address <= begin and end <= self.address + self.size
+
+
+class LoadedTensors(dict):
+    """``dict[str, torch.Tensor]`` as returned by :func:`load_tensors`, plus what was mapped.
+
+    ``mappings``: one :class:`MappedFile` per file; ``copied``: names of the tensors that had to be
+    copied (misaligned, or moved to another device) rather than viewed in place.
+    """
+
+    mappings: list[MappedFile]
+    copied: list[str]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _FilePlan:
+    path: Path
+    expected_size: int | None
+    tensors: list[_Spec]
+
+
+def load_tensors(
+    files_or_dir: FilesOrDir,
+    *,
+    names: Iterable[str] | None = None,
+    device: str | torch.device = "cpu",
+    writable: bool = False,
+) -> LoadedTensors:
+    """Every tensor (or those in ``names``) of the given safetensors files, as zero-copy views of read-only maps.
+
+    ``files_or_dir`` is a checkpoint directory (its ``*.safetensors`` files), a file, a list of
+    files, or the daemon's ``/files`` answer (the dict, its ``files`` list, or
+    :class:`~transformd.api.client.ShardFile` objects) whose tensor tables are used as they are.
+    Unknown ``names`` raise :class:`KeyError`; a malformed file or table raises
+    :class:`~transformd.safetensors_io.CheckpointError`. See the module docstring for lifetime,
+    write protection and page-cache sharing.
+    """
+    plans = _plans(files_or_dir)
+    wanted = None if names is None else set(names)
+    seen: dict[str, Path] = {}
+    for plan in plans:
+        for spec in plan.tensors:
+            if spec.name in seen:
+                raise CheckpointError(f"tensor also in {seen[spec.name]}", file=plan.path, tensor=spec.name)
+            seen[spec.name] = plan.path
+    if wanted is not None:
+        missing = sorted(wanted - seen.keys())
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise KeyError(f"no tensor named {', '.join(missing[:5])}{more} in {len(plans)} file(s)")
+
+    device = torch.device(device)
+    out = LoadedTensors()
+    out.mappings, out.copied = [], []
+    for plan in plans:
+        specs = [s for s in plan.tensors if wanted is None or s.name in wanted]
+        if not specs:
+            continue
+        mm, mapped = _map(plan.path, plan.expected_size, writable)
+        out.mappings.append(mapped)
+        for spec in specs:
+            _check_bounds(spec, plan.path, mapped.size)
+            tensor, copied = _view(mm, spec, plan.path)
+            if device.type != "cpu":
+                tensor, copied = tensor.to(device), True
+            if copied:
+                out.copied.append(spec.name)
+            out[spec.name] = tensor
+    return out
+
+
+def load_from_daemon(
+    client: TransformdClient,
+    key: str,
+    *,
+    names: Iterable[str] | None = None,
+    device: str | torch.device = "cpu",
+    wait: bool = True,
+    timeout: float | None = None,
+) -> LoadedTensors:
+    """:func:`load_tensors` over the daemon's ``/files`` table of entry ``key``.
+
+    With ``wait`` (default), a shard that is not converted yet is asked for by name
+    (``GET .../files/{name}``, which moves it to the front of the conversion) and waited for, one
+    shard at a time, so mapping the first shards overlaps converting the last. With ``names``,
+    only the shards that hold those tensors are waited for. Without ``wait`` a shard that is not
+    ready raises :class:`ValueError`. ``timeout`` bounds the whole wait
+    (:class:`~transformd.api.client.ResolveTimeoutError`).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    wanted = None if names is None else set(names)
+    shards = client.files(key)
+    ready: list[ShardFile] = []
+    for shard in shards:
+        needed = wanted is None or not shard.tensors or bool(wanted & shard.tensors.keys())
+        if not needed:
+            continue
+        if not shard.ready:
+            if not wait:
+                raise ValueError(f"shard {shard.name} of {key} is not converted yet (pass wait=True)")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            shard = client.file(key, shard.name, wait=True, timeout=left)
+        ready.append(shard)
+    return load_tensors(ready, names=wanted, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Plans: which files, which tensors where
+
+
+def _plans(files_or_dir: FilesOrDir) -> list[_FilePlan]:
+    if isinstance(files_or_dir, (str, os.PathLike)):
+        path = Path(files_or_dir)
+        if path.is_dir():
+            files = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("."))
+            if not files:
+                raise CheckpointError("no .safetensors files in this directory", file=path)
+            return [_plan_from_header(p) for p in files]
+        return [_plan_from_header(path)]
+    if isinstance(files_or_dir, Mapping):
+        if "files" not in files_or_dir:
+            raise TypeError("a mapping must be the daemon's /files answer: {'files': [...]}")
+        return [_plan_from_table(f) for f in files_or_dir["files"]]
+    plans = []
+    for item in files_or_dir:
+        if isinstance(item, (str, os.PathLike)):
+            plans.append(_plan_from_header(Path(item)))
+        else:
+            plans.append(_plan_from_table(item))
+    return plans
+
+
+def _plan_from_header(path: Path) -> _FilePlan:
+    header = read_header(path)
+    specs = [_Spec(t.name, t.dtype, tuple(t.shape), t.begin, t.end) for t in header.tensors.values()]
+    return _FilePlan(path, header.file_size, specs)
+
+
+def _plan_from_table(entry: Any) -> _FilePlan:
+    """A /files entry: a dict as the daemon sends it, or a ShardFile."""
+    if isinstance(entry, Mapping):
+        raw_path, name = entry.get("path"), entry.get("name")
+        ready, size, tensors = entry.get("ready", True), entry.get("size"), entry.get("tensors") or {}
+        items = [(k, v["dtype"], v["shape"], v["offsets"]) for k, v in tensors.items()]
+    else:  # ShardFile (duck-typed, so the loader does not import the client)
+        raw_path, name, ready, size = entry.path, entry.name, entry.ready, entry.size
+        items = [(k, v.dtype, v.shape, v.offsets) for k, v in entry.tensors.items()]
+    if not ready or not raw_path:
+        raise ValueError(f"shard {name} is not converted yet; wait for it (load_from_daemon, or client.file(wait=True))")
+    path = Path(raw_path)
+    specs = []
+    for tname, dtype, shape, offsets in items:
+        try:
+            begin, end = (int(o) for o in offsets)
+            shape_t = tuple(int(d) for d in shape)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"table entry has bad shape {shape!r} or offsets {offsets!r}", file=path,
+                                  tensor=tname) from None
+        specs.append(_Spec(str(tname), str(dtype), shape_t, begin, end))
+    return _FilePlan(path, int(size) if size is not None else None, specs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mapping and viewing
+
+
+def _map(path: Path, expected_size: int | None, writable: bool) -> tuple[mmap.mmap, MappedFile]:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if expected_size is not None and size != expected_size:
+                raise CheckpointError(f"file is {size} bytes, the table says {expected_size}: it changed", file=path)
+            if size == 0:
+                raise CheckpointError("file is empty", file=path)
+            # The mapping keeps its own reference to the file; closing f here is fine.
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY if writable else mmap.ACCESS_READ)
+    except OSError as err:
+        raise CheckpointError(f"cannot map: {err.strerror or err}", file=path) from err
+    base = _frombuffer(mm, torch.uint8, 1, 0).data_ptr()
+    return mm, MappedFile(path, base, size)
+
+
+def _frombuffer(mm: mmap.mmap, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # torch warns that the buffer is not writable: that is the point (see the module docstring).
+        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+        return torch.frombuffer(mm, dtype=dtype, count=count, offset=offset)
+
+
+def _check_bounds(spec: _Spec, path: Path, size: int) -> None:
+    if spec.dtype not in DTYPE_BITS:
+        raise CheckpointError(f"unknown dtype {spec.dtype!r}", file=path, tensor=spec.name)
+    if any(d < 0 for d in spec.shape):
+        raise CheckpointError(f"negative dimension in shape {list(spec.shape)}", file=path, tensor=spec.name)
+    bits = DTYPE_BITS[spec.dtype] * math.prod(spec.shape)
+    if not 0 <= spec.begin <= spec.end <= size:
+        raise CheckpointError(f"bytes [{spec.begin}, {spec.end}) are outside the {size}-byte file", file=path,
+                              tensor=spec.name)
+    if bits != 8 * (spec.end - spec.begin):
+        raise CheckpointError(f"holds {spec.end - spec.begin} bytes, but {spec.dtype} {list(spec.shape)} needs "
+                              f"{bits / 8:g}", file=path, tensor=spec.name)
+
+
+def _view(mm: mmap.mmap, spec: _Spec, path: Path) -> tuple[torch.Tensor, bool]:
+    """The tensor as a view of the mapping (copied only when misaligned); returns (tensor, copied)."""
+    dtype = TORCH_DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise CheckpointError(f"dtype {spec.dtype} has no torch equivalent (leave it out with names=)", file=path,
+                              tensor=spec.name)
+    numel = math.prod(spec.shape)
+    if numel == 0:
+        return torch.empty(spec.shape, dtype=dtype), False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if spec.begin % itemsize:
+        raw = _frombuffer(mm, torch.uint8, spec.end - spec.begin, spec.begin).clone()
+        return raw.view(dtype).reshape(spec.shape), True
+    return _frombuffer(mm, dtype, numel, spec.begin).view(spec.shape), False
