@@ -1,52 +1,128 @@
 """The main job, end to end on the built-in sample checkpoint (``transformd demo``).
 
-Writes the sample MXFP8 MoE checkpoint, converts it into a cache (the GPU when
-there is one), reports the reconstruction error of both scale modes, then
-resolves the same checkpoint again, which the cache answers without converting.
+What an inference node does with transformd, in one command:
+
+1. start the daemon (``transformd serve`` on a private unix socket and cache),
+2. write the sample MXFP8 MoE checkpoint,
+3. resolve it through the HTTP API (the first request converts, on the GPU when there is one),
+4. map the converted tensors read-only (zero-copy) through the ``/files`` tensor tables,
+5. report the reconstruction error of both scale modes,
+6. resolve again: the cache answers without converting.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
-from .cache import Cache, Recipe
+from .api.client import TransformdClient
+from .loader import load_from_daemon
 from .report import compare_checkpoints, compare_modes_checkpoint
 from .sample import write_sample_checkpoint
+
+START_TIMEOUT_S = 60.0
 
 
 def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -> Path:
     """Run the demo in ``workdir`` (a new temporary directory by default); returns the converted directory."""
-    from .convert import resolve_device
-
-    workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="transformd-demo-"))
+    workdir = Path(workdir).absolute() if workdir else Path(tempfile.mkdtemp(prefix="transformd-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     src = workdir / "sample-mxfp8"
     if not (src / "config.json").exists():
         write_sample_checkpoint(src)
     size = sum(f.stat().st_size for f in src.iterdir())
-    dev = resolve_device(device)
-    echo(f"sample MXFP8 checkpoint: {src} ({size / 2**20:.1f} MiB)")
+    echo(f"1. sample MXFP8 checkpoint: {src} ({size / 2**20:.1f} MiB)")
 
-    cache = Cache(workdir / "cache", device=str(dev))
-    recipe = Recipe(target="fnuz", scale_mode="exact")
-    t0 = time.perf_counter()
-    entry = cache.get_or_convert(src, recipe)
-    cold = time.perf_counter() - t0
-    echo(f"converted on {dev} in {cold:.2f} s ({entry.outcome}): key {entry.key}")
+    socket = workdir / "transformd.sock"
+    daemon = _start_daemon(workdir, socket, device)
+    try:
+        with TransformdClient(socket=socket) as client:
+            _wait_healthy(client, daemon)
+            health = client.health()
+            echo(f"2. daemon up on {socket} (device {health.get('device')}, cache {health.get('cache_root')})")
 
-    report = compare_checkpoints(src, entry.path)
-    echo("\nreconstruction error of the converted checkpoint (target fnuz, scale mode exact):")
-    echo(report.format_table())
-    amax = compare_modes_checkpoint(src, "fnuz")["amax"].overall
-    echo(
-        f"\nfor comparison, scale mode amax (vLLM PR #45726 parity): rel. L2 {amax.rel_l2:.3e}, "
-        f"bit-exact {100 * amax.exact_fraction:.3f}% (exact mode: rel. L2 {report.overall.rel_l2:.3e}, "
-        f"bit-exact {100 * report.overall.exact_fraction:.3f}%)"
-    )
+            t0 = time.perf_counter()
+            path = client.resolve(str(src), target="fnuz", scale_mode="exact", timeout=600)
+            cold = time.perf_counter() - t0
+            key = client.last_key
+            echo(f"3. resolved through the API in {cold:.2f} s (converted): {path}")
 
-    t0 = time.perf_counter()
-    again = cache.get_or_convert(src, recipe)
-    warm = time.perf_counter() - t0
-    echo(f"\nsecond resolve: {again.outcome} in {warm * 1e3:.1f} ms, same entry: {again.path == entry.path}")
-    return entry.path
+            with client.lease(key, ttl_s=600, holder="transformd demo"):
+                tensors = load_from_daemon(client, key)
+                dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
+                mapped = sum(t.numel() * t.element_size() for t in tensors.values())
+                echo(
+                    f"4. mapped {len(tensors)} tensors ({mapped / 2**20:.1f} MiB) read-only from "
+                    f"{len(tensors.mappings)} files, zero-copy: " + ", ".join(f"{n} {d}" for d, n in dtypes.items())
+                )
+
+            report = compare_checkpoints(src, path)
+            echo("\n5. reconstruction error of the converted checkpoint (target fnuz, scale mode exact):")
+            echo(report.format_table())
+            amax = compare_modes_checkpoint(src, "fnuz")["amax"].overall
+            echo(
+                f"   scale mode amax (vLLM PR #45726 parity) would give: rel. L2 {amax.rel_l2:.3e}, "
+                f"bit-exact {100 * amax.exact_fraction:.3f}%"
+            )
+
+            t0 = time.perf_counter()
+            again = client.resolve(str(src), target="fnuz", scale_mode="exact")
+            warm = time.perf_counter() - t0
+            hits = _metric(client.metrics(), "transformd_cache_hits_total")
+            echo(f"\n6. second resolve: {warm * 1e3:.1f} ms from the cache (cache hits: {hits:g}), same path: {again == path}")
+    finally:
+        _stop_daemon(daemon)
+    return path
+
+
+def _start_daemon(workdir: Path, socket: Path, device: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "transformd", "serve", "--socket", str(socket), "--cache-dir", str(workdir / "cache"),
+           "--allow-root", str(workdir), "--device", device]
+    log = open(workdir / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    finally:
+        log.close()
+
+
+def _wait_healthy(client: TransformdClient, daemon: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if daemon.poll() is not None:
+            raise RuntimeError(f"the daemon exited with status {daemon.returncode}; see daemon.log")
+        try:
+            client.health()
+            return
+        except Exception:  # noqa: BLE001 - not listening yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not answer within {START_TIMEOUT_S:.0f} s; see daemon.log") from None
+            time.sleep(0.1)
+
+
+def _stop_daemon(daemon: subprocess.Popen) -> None:
+    if daemon.poll() is None:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+
+
+def _metric(text: str, name: str) -> float:
+    """Sum of the samples of one Prometheus metric in ``text``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith(f"{name}_created"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run_demo(Path(os.environ["TRANSFORMD_DEMO_DIR"]) if "TRANSFORMD_DEMO_DIR" in os.environ else None)

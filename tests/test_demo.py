@@ -1,0 +1,29 @@
+"""The README's main job: `transformd demo` runs the whole path through a real daemon."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors import safe_open
+
+
+def test_demo_converts_maps_reports_and_hits_the_cache(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "transformd", "demo", "--dir", str(tmp_path), "--device", "cpu"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    out = Path(lines[-1])
+    assert out.is_dir() and out.is_relative_to(tmp_path / "cache" / "entries")
+    text = done.stdout
+    assert "(converted)" in text and "mapped 81 tensors" in text and "float8_e4m3fnuz" in text
+    assert "from the cache (cache hits: 1), same path: True" in text
+    overall = next(line for line in lines if line.startswith("overall"))
+    assert "99.888" in overall  # bit-exact share of the sample in exact mode (README)
+    with safe_open(out / "model-00002-of-00002.safetensors", "pt") as f:
+        assert any(name.endswith("weight_scale_inv") for name in f.keys())
+    log = (tmp_path / "daemon.log").read_text()
+    assert "Traceback" not in log
