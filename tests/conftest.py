@@ -10,3 +10,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    """Register the fault report (tests/faultlog.py): the ``fault_log`` fixture and the table written at the end."""
+    from tests import faultlog
+
+    if not config.pluginmanager.is_registered(faultlog):
+        config.pluginmanager.register(faultlog, "transformd-faultlog")

@@ -15,7 +15,11 @@ The work has two phases, so that bad input never leaves anything behind:
    ``host_memory_bytes`` whatever the checkpoint's size. The values of a pair
    (NaN codes, E8M0 0xFF, overflow) are checked as each piece is converted; an
    error in any stage stops all of them and removes the staging directory, so
-   ``out`` either holds a complete conversion or is untouched.
+   ``out`` either holds a complete conversion or is untouched. A process killed
+   outright leaves its staging directory (flock-ed while in use); the next
+   conversion into the same ``out`` removes it, and puts back an old ``out``
+   that ``overwrite`` had moved aside when the kill came in the middle of the
+   publish.
 
 What is an MXFP8 pair: a tensor ``X.weight`` stored ``F8_E4M3`` with exactly one
 scale ``X.weight_scale`` (ModelOpt) or ``X.weight_scale_inv`` (MiniMax style),
@@ -56,12 +60,15 @@ Output (shared/DESIGN.md, "Output" and "config.json"):
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import queue
 import re
 import shutil
+import stat
 import threading
 import time
 import traceback
@@ -278,10 +285,12 @@ def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
         if required:
             raise CheckpointError("is missing; an HF checkpoint directory needs it", file=path)
         return None
+    if not path.is_file():  # a FIFO would block the read forever; a directory or device is no JSON file either
+        raise CheckpointError("is not a regular file", file=path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot be read as JSON: {err}", file=path) from None
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad UTF-8/JSON, integers past the digit limit
+        raise CheckpointError(f"cannot be read as JSON: {str(err)[:200]}", file=path) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"holds a JSON {type(data).__name__}, not an object", file=path)
     return data
@@ -297,6 +306,8 @@ def _shard_layout(src: Path) -> tuple[dict[str, Any] | None, list[str]]:
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError("has no weight_map object (or it is empty)", file=src / INDEX_NAME)
+    if not isinstance(index.get("metadata", {}), (dict, type(None))):  # rewritten (total_size) in the output
+        raise CheckpointError("has a metadata entry that is not an object", file=src / INDEX_NAME)
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
             problem = f"maps to {shard!r}, which is not a file name in the directory"
@@ -398,6 +409,9 @@ def _check_pair(src: Path, pair: MxPair, tensors: dict[str, tuple[str, TensorInf
         check_pair_shapes(codes, scales)
     except MxFormatError as err:
         raise err.located(tensor=pair.weight.name, file=str(src / pair.weight_shard)) from None
+    if codes.numel() == 0:  # the header may declare any number of empty experts; there is nothing to convert
+        problem = f"weight {list(pair.weight.shape)} has no elements"
+        raise MxFormatError(problem, tensor=pair.weight.name, file=str(src / pair.weight_shard))
     clash = tensors.get(pair.out_scale_name)
     if clash is not None and clash[1].name != pair.scale.name:
         raise CheckpointError(
@@ -418,7 +432,11 @@ def _plan_shard(name: str, header: Header, selected: list[MxPair]) -> ShardPlan:
 
 
 def _other_files(src: Path, skip: set[str]) -> Iterator[Path]:
-    """Files to carry over, relative to ``src``: everything but the shards, index and configs; no dot-names."""
+    """Files to carry over, relative to ``src``: everything but the shards, index and configs; no dot-names.
+
+    Symlinks to files are followed (as in an HF cache snapshot); anything that is not a regular file
+    then (a FIFO, which would block the copy forever, a device, a socket, a broken link) is refused.
+    """
     for root, dirs, files in os.walk(src):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         rel_root = Path(root).relative_to(src)
@@ -426,6 +444,13 @@ def _other_files(src: Path, skip: set[str]) -> Iterator[Path]:
             rel = rel_root / f
             if f.startswith(".") or (rel_root == Path(".") and f in skip):
                 continue
+            try:
+                mode = os.stat(src / rel).st_mode
+            except OSError as err:
+                raise CheckpointError(f"cannot be read ({err.strerror}; a broken symlink?)", file=src / rel) from None
+            if not stat.S_ISREG(mode):
+                problem = "is not a regular file (a FIFO, device or socket); cannot carry it over"
+                raise CheckpointError(problem, file=src / rel)
             yield rel
 
 
@@ -570,11 +595,11 @@ def convert_checkpoint(
     target, scale_mode = Target(target), ScaleMode(scale_mode)
     src, out = Path(src), Path(out)
     devices = _conversion_devices(device)
+    _remove_leftovers(out)
     _check_out(src, out, overwrite)
     plan = plan_conversion(src, select=select)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.transformd-staging-{uuid.uuid4().hex[:12]}"
-    staging.mkdir()
+    staging, staging_lock = _make_staging(out)
     run = _Run(
         plan, staging, target, scale_mode, max(1, chunk_bytes), max(1, host_memory_bytes), progress, shard_order
     )
@@ -587,6 +612,8 @@ def convert_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        os.close(staging_lock)
     return ConversionResult(
         out=out,
         converted=[p.weight.name for p in plan.selected],
@@ -1457,6 +1484,97 @@ def _fsync_tree(path: Path) -> None:
         _fsync_dir(Path(root))
 
 
+#: Names beside ``out`` (``.<out name>.<tag>-<token>``): the staging directory, the same before it is locked,
+#: and the old ``out`` that ``overwrite`` moves aside until the new one is in place.
+_STAGING_TAG, _NEW_TAG, _OLD_TAG = "transformd-staging", "transformd-new", "transformd-old"
+#: An unlocked ``-new-`` directory (a kill between its mkdir and its rename) is removed once this old (seconds).
+_NEW_MAX_AGE_S = 60.0
+
+
+def _make_staging(out: Path) -> tuple[Path, int]:
+    """Create the staging directory beside ``out``, flock-ed until the returned descriptor is closed.
+
+    The lock tells a later conversion into ``out`` that the directory is in use (:func:`_remove_leftovers`); the
+    directory is created under another name and renamed once locked, so a scan never finds it unlocked.
+    """
+    token = uuid.uuid4().hex[:12]
+    new = out.parent / f".{out.name}.{_NEW_TAG}-{token}"
+    new.mkdir()
+    try:
+        fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
+    except BaseException:
+        new.rmdir()
+        raise
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # a file system without flock: scans cannot tell it is in use either, and leave it alone
+        staging = out.parent / f".{out.name}.{_STAGING_TAG}-{token}"
+        os.rename(new, staging)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    return staging, fd
+
+
+def _lock_free(path: Path) -> bool | None:
+    """True when no process holds an flock on the directory ``path``, False when one does, None when unknown."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # releases the probe's lock
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove what killed conversions into ``out`` left beside it; undo an ``overwrite`` killed mid-publish.
+
+    Only directories no live conversion holds (flock, see :func:`_make_staging`) are touched: staging directories,
+    and the old ``out`` that ``overwrite`` moved aside, which is removed once ``out`` is in place, or renamed back
+    when the kill came between the two renames of :func:`_publish`. Best effort: where locks or removal do not
+    work, things are left as they are.
+    """
+    prefix = f".{out.name}."
+    try:
+        names = sorted(n for n in os.listdir(out.parent) if n.startswith(prefix))
+    except OSError:
+        return
+    live, olds = False, []
+    for name in names:
+        tag, _, _token = name[len(prefix) :].rpartition("-")
+        path = out.parent / name
+        if tag == _OLD_TAG:
+            olds.append(path)
+        elif tag in (_STAGING_TAG, _NEW_TAG):
+            free = _lock_free(path)
+            if free and tag == _NEW_TAG:
+                with contextlib.suppress(OSError):
+                    free = time.time() - os.lstat(path).st_mtime > _NEW_MAX_AGE_S
+            if free:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                live = True
+    if not olds or live:
+        return
+    with contextlib.suppress(OSError):
+        if out.exists():
+            if _lock_free(out):  # a finished publish that was killed while removing the old output
+                for old in olds:
+                    shutil.rmtree(old, ignore_errors=True)
+        elif len(olds) == 1:  # killed between moving the old output aside and renaming the new one into place
+            os.rename(olds[0], out)
+
+
 def _publish(staging: Path, out: Path, overwrite: bool) -> None:
     """Rename the finished staging directory to ``out``; an old non-empty ``out`` (overwrite) goes only after."""
     old: Path | None = None
@@ -1464,7 +1582,7 @@ def _publish(staging: Path, out: Path, overwrite: bool) -> None:
         if any(out.iterdir()):
             if not overwrite:  # appeared while we were converting
                 raise CheckpointError("the output directory became non-empty during the conversion", file=out)
-            old = out.parent / f".{out.name}.transformd-old-{uuid.uuid4().hex[:12]}"
+            old = out.parent / f".{out.name}.{_OLD_TAG}-{uuid.uuid4().hex[:12]}"
             os.rename(out, old)
         else:
             out.rmdir()

@@ -44,6 +44,9 @@ __all__ = [
 
 #: Largest header accepted (the safetensors library's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: Most dimensions of a tensor, and the largest dimension (torch sizes are int64; torch allows 64 dimensions).
+MAX_DIMS = 64
+MAX_DIM = 2**63 - 1
 #: The data section starts at a multiple of this (the safetensors library pads the header with spaces).
 HEADER_ALIGN = 8
 
@@ -196,8 +199,10 @@ def _parse_header_json(raw: bytes, path: Path) -> tuple[dict[str, object], dict[
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"header is not valid UTF-8 JSON ({err})", file=path) from None
+    except CheckpointError:
+        raise
+    except (ValueError, RecursionError) as err:  # also integers past Python's digit limit, and deep nesting
+        raise CheckpointError(f"header is not valid UTF-8 JSON ({str(err)[:200]})", file=path) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"header is a JSON {type(header).__name__}, not an object", file=path)
     metadata = header.pop("__metadata__", None)
@@ -221,11 +226,13 @@ def _parse_entry(name: str, entry: object, path: Path, data_start: int) -> Tenso
         raise fail(f"header entry lacks {', '.join(missing)}")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        raise fail(f"unknown dtype {dtype!r}")
+        raise fail(f"unknown dtype {_short(dtype)}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise fail(f"shape {shape!r} is not a list of non-negative integers")
+        raise fail(f"shape {_short(shape)} is not a list of non-negative integers")
+    if len(shape) > MAX_DIMS or any(d > MAX_DIM for d in shape):
+        raise fail(f"shape {_short(shape)} has more than {MAX_DIMS} dimensions or one above {MAX_DIM} (int64)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
-        raise fail(f"data_offsets {offsets!r} is not a pair of non-negative integers")
+        raise fail(f"data_offsets {_short(offsets)} is not a pair of non-negative integers")
     begin, end = offsets
     if end < begin:
         raise fail(f"data_offsets {offsets} end before they begin")
@@ -262,6 +269,15 @@ def _check_coverage(tensors: list[TensorInfo], data_start: int, data_bytes: int,
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _short(x: object, limit: int = 200) -> str:
+    """``repr(x)`` cut to ``limit`` characters: a hostile header must not make an error message huge."""
+    try:
+        text = repr(x)
+    except (ValueError, RecursionError):  # an integer past Python's digit limit, or deep nesting
+        text = f"<{type(x).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_range(f: BinaryIO, begin: int, nbytes: int, *, path: str | os.PathLike[str] | None = None) -> torch.Tensor:

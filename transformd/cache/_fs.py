@@ -120,13 +120,22 @@ def is_no_space(exc: BaseException) -> bool:
 
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged user may still write on the file system holding ``path``."""
-    st = os.statvfs(path)
+    st = os.statvfs(_nearest_existing(path))
     return st.f_bavail * st.f_frsize
 
 
 def fs_size_bytes(path: Path) -> int:
-    st = os.statvfs(path)
+    st = os.statvfs(_nearest_existing(path))
     return st.f_blocks * st.f_frsize
+
+
+def _nearest_existing(path: Path | str) -> Path:
+    """``path``, or its closest existing parent (a cache directory removed under a running process is recreated
+    there, so that is the file system to ask)."""
+    p = Path(path)
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    return p
 
 
 _UNITS = {

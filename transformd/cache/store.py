@@ -460,6 +460,30 @@ class Cache:
                 raise CacheError(f"{self.config_path}: bad budget_bytes: {e}") from e
         return int(free_bytes(self.root) * DEFAULT_BUDGET_FRACTION) + self._used_bytes()
 
+    @contextlib.contextmanager
+    def _gc_lock(self, *, shared: bool = False) -> Iterator[None]:
+        """The gc lock (see :class:`SharedExclusiveLock`); recreates a deleted cache directory first.
+
+        A cache directory that cannot be used (read-only, no permission) raises :class:`CacheError`.
+        """
+        with contextlib.ExitStack() as stack:
+            for attempt in (1, 2):
+                lock = SharedExclusiveLock(self.locks_dir / _GC_LOCK)
+                try:
+                    stack.enter_context(lock.shared() if shared else lock.exclusive())
+                    break
+                except FileNotFoundError as e:
+                    if attempt == 2:
+                        raise self._unusable(e) from e
+                    self._ensure_layout()  # the directory was removed under this Cache: start afresh
+                except OSError as e:
+                    raise self._unusable(e) from e
+            yield
+
+    def _unusable(self, e: OSError) -> CacheError:
+        why = "its file system is read-only" if e.errno == errno.EROFS else (e.strerror or str(e))
+        return CacheError(f"cannot use the cache directory {self.root}: {why} ({e.filename or self.root})")
+
     def _hook(self, phase: str) -> None:
         if self._fault_hook is not None:
             self._fault_hook(phase)
@@ -546,7 +570,11 @@ class Cache:
             if entry is not None:
                 return entry
             self._ensure_layout()
-            if lock.try_acquire(owner=process_identity()):
+            try:
+                acquired = lock.try_acquire(owner=process_identity())
+            except OSError as e:  # e.g. a read-only file system: the cache cannot take new conversions
+                raise self._unusable(e) from e
+            if acquired:
                 try:
                     entry = self._ready(key, lease_ttl, outcome="waited")
                     if entry is not None:
@@ -676,6 +704,11 @@ class Cache:
                 os.unlink(status_path)
             if isinstance(exc, Exception):
                 self._record_failure(key, exc)
+            if isinstance(exc, FileNotFoundError) and not self.staging_dir.is_dir():
+                raise CacheError(
+                    f"the cache directory {self.root} was removed while {src} was being converted; nothing was "
+                    f"published (the next request recreates the directory and converts again)"
+                ) from exc
             if is_no_space(exc) and not isinstance(exc, CacheFullError):
                 free = budget = used = None
                 with contextlib.suppress(OSError, CacheError, ValueError):
@@ -831,7 +864,7 @@ class Cache:
         Raises :class:`CacheFullError` without evicting anything when it cannot be done.
         """
         victims: list[_EntryInfo] = []
-        with SharedExclusiveLock(self.locks_dir / _GC_LOCK).exclusive():
+        with self._gc_lock():
             entries = self._scan_entries()
             leased = self._live_leased_keys()
             reserved = sum(int(s.get("estimate_bytes") or 0) for s in self._live_stagings() if s.get("key") != key)
@@ -886,7 +919,7 @@ class Cache:
     def _enforce_budget(self, *, budget: int | None = None, protect: set[str] = frozenset()) -> list[tuple[str, int]]:
         victims: list[_EntryInfo] = []
         moved = []
-        with SharedExclusiveLock(self.locks_dir / _GC_LOCK).exclusive():
+        with self._gc_lock():
             budget = self.budget_bytes if budget is None else budget
             entries = self._scan_entries()
             leased = self._live_leased_keys() | set(protect)
@@ -930,7 +963,7 @@ class Cache:
         return renewed
 
     def _write_lease_checked(self, lease: Lease) -> None:
-        with SharedExclusiveLock(self.locks_dir / _GC_LOCK).shared():
+        with self._gc_lock(shared=True):
             if not (self.entries_dir / lease.key / MANIFEST_NAME).exists():
                 raise EntryNotFoundError(lease.key, self.root)
             write_lease(self.leases_dir, lease)
@@ -1048,7 +1081,7 @@ class Cache:
         Processes that mapped its files keep valid bytes until they unmap them.
         """
         validate_key(key)
-        with SharedExclusiveLock(self.locks_dir / _GC_LOCK).exclusive():
+        with self._gc_lock():
             d = self.entries_dir / key
             if not d.exists():
                 raise EntryNotFoundError(key, self.root)
@@ -1251,7 +1284,7 @@ class Cache:
     def _quarantine(self, key: str, problems: list[str]) -> Path | None:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         dest = self.quarantine_dir / f"{key}.{stamp}.{secrets.token_hex(2)}"
-        with SharedExclusiveLock(self.locks_dir / _GC_LOCK).exclusive():
+        with self._gc_lock():
             try:
                 os.rename(self.entries_dir / key, dest)
             except FileNotFoundError:
