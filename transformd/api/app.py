@@ -13,10 +13,11 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import FastAPI
+from fastapi import Path as FastApiPath
 from fastapi.responses import JSONResponse, Response
 
 from ..cache import Cache, EntryLeasedError, EntryNotFoundError, Recipe, cache_key
@@ -26,7 +27,7 @@ from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
-from .paths import SourcePolicy, check_file_name
+from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
 from .schemas import (
     CacheModel,
     CheckpointInfo,
@@ -74,6 +75,31 @@ class Daemon:
         self.gauges_at = time.monotonic()
 
 
+# Path parameters as the OpenAPI schema documents them. The patterns are documentation only (json_schema_extra):
+# the handlers check them (check_key, check_file_name, LEASE_ID_RE) and answer with an error that says what is
+# wrong, which FastAPI's own pattern validation would not.
+KeyParam = Annotated[
+    str,
+    FastApiPath(
+        description=f"cache key: {KEY_HEX_LEN} lowercase hex digits (else 400)",
+        json_schema_extra={"pattern": f"^[0-9a-f]{{{KEY_HEX_LEN}}}$"},
+    ),
+]
+NameParam = Annotated[
+    str,
+    FastApiPath(
+        description="a shard's file name, e.g. model-00001-of-00002.safetensors: no '/', no '..' (else 404)",
+        json_schema_extra={"pattern": f"^(?!.*\\.\\.){FILE_NAME_RE.pattern.lstrip('^')}"},
+    ),
+]
+LeaseIdParam = Annotated[
+    str,
+    FastApiPath(
+        description="lease id: 16 lowercase hex digits (else 404)", json_schema_extra={"pattern": "^[0-9a-f]{16}$"}
+    ),
+]
+
+
 def check_key(key: str) -> str:
     """``key`` if it is a cache key; a 400 error otherwise (nothing on disk is touched)."""
     if not KEY_RE.fullmatch(key):
@@ -113,10 +139,15 @@ def create_app(settings: Settings | None = None, *, converter: Any = None, cache
     policy = SourcePolicy(settings.allow_roots)
     if converter is None:
         converter = TransformdShardConverter(settings.device)
+    base_converter = converter
     if cache is None:
         cache = Cache(
             settings.cache_dir, budget_bytes=settings.cache_budget, converter=converter, device=settings.device
         )
+    if os.environ.get("TRANSFORMD_TEST_HOOKS"):  # test-only (see .testing); off unless the variable is set
+        from .testing import apply_test_hooks
+
+        converter = apply_test_hooks(converter, cache)
     metrics = Metrics()
     entries = EntryIndex(cache)
     daemon: Daemon
@@ -138,7 +169,7 @@ def create_app(settings: Settings | None = None, *, converter: Any = None, cache
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.start()
-        if isinstance(converter, TransformdShardConverter):  # fails the start when --device cuda has no GPU
+        if isinstance(base_converter, TransformdShardConverter):  # fails the start when --device cuda has no GPU
             from ..convert import resolve_device
 
             daemon.device = str(await anyio.to_thread.run_sync(resolve_device, settings.device))
@@ -162,12 +193,33 @@ def create_app(settings: Settings | None = None, *, converter: Any = None, cache
     app.state.daemon = daemon
     install_error_handlers(app)
     _routes(app, daemon)
+    _document_settings(app, settings)
     app.add_middleware(RequestCounter, metrics=metrics)  # innermost of the three: sees the matched route
     app.add_middleware(BodyLimit)
     if token is not None:
         socket_path = settings.socket_path()
         app.add_middleware(BearerAuth, token=token, unix_paths=[str(socket_path)] if socket_path else [])
     return app
+
+
+def _document_settings(app: FastAPI, settings: Settings) -> None:
+    """Put this daemon's limits into its OpenAPI schema (they are settings, not constants of the models)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = build()
+            ttl = doc.get("components", {}).get("schemas", {}).get("LeaseRequest", {}).get("properties", {})
+            if "ttl_s" in ttl:
+                ttl["ttl_s"]["maximum"] = settings.max_lease_ttl_s
+                ttl["ttl_s"]["description"] = (
+                    f"{ttl['ttl_s'].get('description', '')} (this daemon: at most {settings.max_lease_ttl_s:g} s; "
+                    "above is 400)"
+                ).strip()
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _routes(app: FastAPI, d: Daemon) -> None:
@@ -191,7 +243,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         key = cache_key(ident, recipe)
         job = service.job(key)
         if job is None or not job.active:
-            invalid = service.known_invalid(key)
+            invalid = service.known_invalid(key, ident.path)
             if invalid is not None:
                 metrics.cache_misses.inc()
                 raise invalid
@@ -214,7 +266,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404),
         tags=["checkpoints"],
     )
-    async def get_checkpoint(key: str) -> Response:
+    async def get_checkpoint(key: KeyParam) -> Response:
         check_key(key)
         job = service.job(key)
         if job is not None and job.active:
@@ -241,7 +293,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404, 409),
         tags=["checkpoints"],
     )
-    async def delete_checkpoint(key: str) -> Response:
+    async def delete_checkpoint(key: KeyParam) -> Response:
         check_key(key)
         job = service.job(key)
         if job is not None and job.active:
@@ -266,7 +318,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404, 409),
         tags=["files"],
     )
-    async def get_files(key: str) -> Response:
+    async def get_files(key: KeyParam) -> Response:
         check_key(key)
         job = service.job(key)
         if job is not None and job.active:
@@ -283,7 +335,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses={202: {"model": FileModel, "description": "not written yet; requested"}, **_errors(400, 404, 409)},
         tags=["files"],
     )
-    async def get_file(key: str, name: str) -> Response:
+    async def get_file(key: KeyParam, name: NameParam) -> Response:
         check_key(key)
         check_file_name(name)
         job = service.job(key)
@@ -337,7 +389,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404, 409, 413),
         tags=["leases"],
     )
-    async def post_lease(key: str, body: LeaseRequest | None = None) -> Response:
+    async def post_lease(key: KeyParam, body: LeaseRequest | None = None) -> Response:
         check_key(key)
         body = body or LeaseRequest(ttl_s=d.settings.default_lease_ttl_s)
         if body.ttl_s > d.settings.max_lease_ttl_s:
@@ -366,7 +418,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404),
         tags=["leases"],
     )
-    async def delete_lease(key: str, lease_id: str) -> Response:
+    async def delete_lease(key: KeyParam, lease_id: LeaseIdParam) -> Response:
         check_key(key)
         if not LEASE_ID_RE.fullmatch(lease_id):
             raise ApiError(404, "unknown_lease", f"no lease {lease_id[:40]!r} (lease ids are 16 lowercase hex digits)")

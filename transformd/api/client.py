@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 __all__ = [
+    "DEFAULT_RECONNECT_S",
     "DEFAULT_SOCKET",
     "ENV_SOCKET",
     "ENV_TOKEN_FILE",
@@ -70,6 +71,10 @@ DEFAULT_SOCKET = "/run/transformd/transformd.sock"
 _SOCKET_NAME = "transformd.sock"
 #: Host name used in URLs sent over a unix socket (httpx needs one; the daemon ignores it).
 _UDS_BASE_URL = "http://transformd"
+#: Seconds :meth:`TransformdClient.resolve` waits, by default, for a daemon that went away mid-conversion.
+DEFAULT_RECONNECT_S = 60.0
+#: Error codes of a conversion the daemon cancelled because it was stopping (not a failure of the checkpoint).
+_DAEMON_STOPPING_CODES = frozenset({"cancelled", "shutting_down"})
 _API = "/v1"
 
 
@@ -490,6 +495,7 @@ class TransformdClient:
         progress: Callable[[CheckpointStatus], None] | None = None,
         poll_interval: float = 0.5,
         timeout: float | None = None,
+        reconnect_s: float = DEFAULT_RECONNECT_S,
     ) -> Path:
         """The converted checkpoint directory of ``source``: converted now, or taken from the cache.
 
@@ -503,6 +509,15 @@ class TransformdClient:
         Should the daemon forget the key while we wait (it restarted), the request is posted again;
         while it answers 503 (too many conversions queued) the request is retried (``Retry-After``,
         else a growing delay) until ``timeout``.
+
+        A daemon that goes away while we wait (killed, restarted, upgraded) is waited for: once the
+        first request was answered, the daemon may stay unreachable for up to ``reconnect_s``
+        seconds in a row (and a conversion it cancelled while stopping is not a failure); when it
+        answers again the request is posted again, and the new daemon converts afresh (or finds the
+        entry, when the old one published it before it died). After ``reconnect_s`` without an
+        answer, :class:`DaemonUnavailableError` says so. ``reconnect_s=0``: fail at the first
+        unanswered request. The first request is never waited for: a daemon that is not there at
+        all fails at once.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -510,20 +525,32 @@ class TransformdClient:
             return self._submit_when_accepted(source, target, scale_mode, select, deadline)
 
         status = submit()
+        key = status.key
         delay = min(0.05, poll_interval)
+        unreachable_since: float | None = None
         while True:
-            if progress is not None:
-                progress(status)
-            if status.ready:
-                if status.path is not None:
-                    return status.path
-                # A status without the path: the POST answer of a ready entry always carries it.
-                status = submit()
-                if status.ready and status.path is not None:
-                    return status.path
-            if status.failed:
-                raise status.error or ConversionFailedError(f"conversion of {source} failed", code="failed")
+            if status is not None:
+                if progress is not None:
+                    progress(status)
+                if status.ready:
+                    if status.path is not None:
+                        return status.path
+                    # A status without the path: the POST answer of a ready entry always carries it.
+                    status = submit()
+                    if status.ready and status.path is not None:
+                        return status.path
+                if status.failed:
+                    err = status.error
+                    if not (reconnect_s > 0 and err is not None and err.code in _DAEMON_STOPPING_CODES):
+                        raise err or ConversionFailedError(f"conversion of {source} failed", code="failed")
+                    status = None  # the daemon is stopping: wait for its successor and ask it again
             if deadline is not None and time.monotonic() + delay > deadline:
+                if status is None:
+                    raise ResolveTimeoutError(
+                        f"gave up waiting for {source} after {timeout:g}s: the daemon at {self.where} went away "
+                        f"while entry {key} was converting and has not answered since",
+                        code="timeout",
+                    )
                 done = f" ({status.progress.fraction:.0%} done)" if status.progress and status.progress.fraction else ""
                 raise ResolveTimeoutError(
                     f"gave up waiting for {source} after {timeout:g}s: entry {status.key} is {status.state}{done}; "
@@ -533,9 +560,26 @@ class TransformdClient:
             time.sleep(delay)
             delay = min(poll_interval, delay * 2)
             try:
-                status = self.status(status.key)
-            except NotFoundError:
-                status = submit()
+                if status is None:  # the daemon went away (or was stopping): post again to the one that answers
+                    status = submit()
+                else:
+                    try:
+                        status = self.status(status.key)
+                    except NotFoundError:
+                        status = submit()
+                unreachable_since = None
+            except DaemonUnavailableError as err:
+                now = time.monotonic()
+                if unreachable_since is None:
+                    unreachable_since = now
+                if now - unreachable_since >= reconnect_s:
+                    raise DaemonUnavailableError(
+                        f"transformd at {self.where} went away while entry {key} of {source} was converting and did "
+                        f"not answer again within {reconnect_s:g}s ({err.message}); the conversion is lost with it: "
+                        f"resolve again once the daemon is back",
+                        code="daemon_gone",
+                    ) from err
+                status = None
 
     def _submit_when_accepted(
         self, source: str | os.PathLike[str], target: str, scale_mode: str, select: str | None,

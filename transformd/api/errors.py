@@ -117,6 +117,18 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "bad request: " + "; ".join(parts)
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's (a path served by several routes)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "\0"})  # a method no route has: path matches only
+        if match != Match.NONE and getattr(route, "methods", None):
+            methods |= set(route.methods)
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error, including FastAPI's own, a JSON error object (validation errors are 400, not 422)."""
 
@@ -132,11 +144,17 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = str(exc.detail)
+        path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."
         if exc.status_code == 404:
-            message = f"no such endpoint: {request.method} {request.url.path}; see /docs or /openapi.json"
-        elif exc.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}; see /docs or /openapi.json"
-        return ApiError(exc.status_code, code, message, headers=getattr(exc, "headers", None)).response()
+            message = f"no such endpoint: {request.method} {path}; see /docs or /openapi.json"
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            allowed = _allowed_methods(request)
+            if allowed:  # every method of the path (starlette names only the first route's)
+                headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed on {path} (allowed: {headers.get('Allow', '?')}); " \
+                "see /docs or /openapi.json"
+        return ApiError(exc.status_code, code, message, headers=headers or None).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -7,6 +7,7 @@ in constant time. A listener the middleware cannot identify is treated as TCP (f
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -36,18 +37,27 @@ async def _send_error(send: Send, status: int, code: str, message: str, headers:
     await send({"type": "http.response.body", "body": body})
 
 
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
 class BearerAuth:
     """401 for requests not from ``unix_paths`` without the right ``Authorization: Bearer`` token."""
 
     def __init__(self, app: ASGIApp, token: bytes, unix_paths: Iterable[str] = ()):
         self.app = app
-        self.token = token
+        self._token_digest = _digest(token)
         self.unix_paths = frozenset(unix_paths)
 
     def _valid(self, header: bytes | None) -> bool:
-        """``Bearer <token>`` (scheme case-insensitive), the token compared in constant time."""
+        """``Bearer <token>`` (scheme case-insensitive), the token compared in constant time.
+
+        Both sides are SHA-256 digests, so ``hmac.compare_digest`` always compares 32 bytes with 32 bytes: its time
+        depends neither on where the given token first differs nor on its length (comparing the raw tokens would
+        return at once on a length mismatch, telling an attacker the token's length).
+        """
         scheme, _, given = (header or b"").strip().partition(b" ")
-        ok = hmac.compare_digest(given.strip(), self.token)
+        ok = hmac.compare_digest(_digest(given.strip()), self._token_digest)
         return ok and scheme.lower() == b"bearer"
 
     def _trusted(self, scope: Scope) -> bool:

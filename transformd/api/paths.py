@@ -35,7 +35,8 @@ FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 def check_file_name(name: str) -> str:
     """``name`` if it can be a shard name (no ``/``, no ``..``, no leading dot); else a 404 error."""
     if not FILE_NAME_RE.fullmatch(name) or ".." in name:
-        raise ApiError(404, "unknown_file", f"no file {name!r} in this checkpoint (file names have no '/' or '..')")
+        shown = repr(name[:80]) + ("..." if len(name) > 80 else "")
+        raise ApiError(404, "unknown_file", f"no file {shown} in this checkpoint (file names have no '/' or '..')")
     return name
 
 

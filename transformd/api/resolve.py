@@ -27,7 +27,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from .client import ENV_SOCKET, ENV_TOKEN_FILE, CheckpointStatus, TransformdClient, TransformdError
+from .client import (
+    DEFAULT_RECONNECT_S,
+    ENV_SOCKET,
+    ENV_TOKEN_FILE,
+    CheckpointStatus,
+    TransformdClient,
+    TransformdError,
+)
 
 __all__ = ["ProgressReporter", "add_commands", "main", "run_health", "run_resolve"]
 
@@ -71,6 +78,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     resolve.add_argument("--select", metavar="REGEX", help="convert only weights whose name matches")
     resolve.add_argument("--timeout", metavar="S", type=float, default=None,
                          help="give up waiting after S seconds (exit 1; the conversion goes on). Default: no limit")
+    resolve.add_argument("--reconnect", metavar="S", type=float, default=DEFAULT_RECONNECT_S,
+                         help="when the daemon goes away during the wait (restarted), wait up to S seconds for it "
+                              f"to answer again and ask it again (default {DEFAULT_RECONNECT_S:g}; 0: fail at once)")
     resolve.add_argument("--poll-interval", metavar="S", type=float, default=0.5, help=argparse.SUPPRESS)
     resolve.add_argument("--progress-every", metavar="S", type=float, default=5.0,
                          help="seconds between progress lines when standard error is not a terminal (default 5)")
@@ -114,6 +124,7 @@ def run_resolve(args: argparse.Namespace) -> int:
                 progress=reporter.update,
                 poll_interval=args.poll_interval,
                 timeout=args.timeout,
+                reconnect_s=args.reconnect,
             )
     except TransformdError as err:
         reporter.close()

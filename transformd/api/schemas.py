@@ -11,6 +11,8 @@ State = Literal["queued", "converting", "ready", "failed"]
 
 #: Longest ``holder`` of a lease.
 MAX_HOLDER_CHARS = 200
+#: Longest ``source`` path (the same as :data:`transformd.api.paths.MAX_PATH_CHARS`).
+MAX_SOURCE_CHARS = 4096
 #: Longest ``select`` regular expression.
 MAX_SELECT_CHARS = 1000
 #: A repeated group that itself contains a repetition, e.g. ``(a+)+``: Python's ``re`` can take exponential
@@ -23,11 +25,20 @@ class CheckpointRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field(..., description="absolute path of the MXFP8 checkpoint directory, under an allowed root")
+    source: str = Field(
+        ...,
+        description="absolute path of the MXFP8 checkpoint directory, under an allowed root",
+        # documented here, checked by the app (paths.SourcePolicy.check_syntax) with a message naming the problem
+        json_schema_extra={"minLength": 1, "maxLength": MAX_SOURCE_CHARS, "pattern": "^/[^\\u0000]*$"},
+    )
     target: Literal["fnuz", "ocp"] = Field("fnuz", description="fnuz: e4m3fnuz (gfx94x); ocp: e4m3fn")
     scale_mode: Literal["exact", "amax"] = Field("exact", description="exact: power-of-two tile scales; amax: /448")
     select: str | None = Field(
-        None, max_length=MAX_SELECT_CHARS, description="convert only MXFP8 weights whose name matches (re.search)"
+        None,
+        max_length=MAX_SELECT_CHARS,
+        description="convert only MXFP8 weights whose name matches (re.search); nested repetition such as (a+)+ "
+        "is refused (400)",
+        json_schema_extra={"format": "regex"},
     )
 
     @field_validator("select")

@@ -259,15 +259,19 @@ class ConversionService:
     def queued_count(self) -> int:
         return sum(1 for j in self._jobs.values() if j.state == "queued")
 
-    def known_invalid(self, key: str) -> ApiError | None:
+    def known_invalid(self, key: str, source: Path | None = None) -> ApiError | None:
         """The 422 of a recent check or conversion of this key that found the checkpoint invalid.
 
         The key names the content, so the same content fails the same way again: it is not retried (until the
-        daemon restarts or an hour passes). Other failures (I/O, disk full, permissions) are retried.
+        daemon restarts or an hour passes). Other failures (I/O, disk full, permissions) are retried. With
+        ``source`` (the real path now asked for), only a failure of that same path counts: the message names the
+        files of the path it was found in, and the key covers regular files only (a FIFO or a missing file
+        give the same key but different errors).
         """
         job = self._jobs.get(key)
         if (
             job is not None
+            and (source is None or job.source == source)
             and job.state == "failed"
             and job.error is not None
             and job.error.code == "invalid_checkpoint"

@@ -17,6 +17,10 @@ setting (flag)                         environment variable                     
 ``log_level`` (``--log-level``)        ``TRANSFORMD_LOG_LEVEL``                    ``info``
 =====================================  ==========================================  =============================
 
+``TRANSFORMD_TEST_HOOKS`` is not a setting: a test-only hook (slowed conversions, a log of converter runs) for
+the crash and load tests, described in :mod:`transformd.api.testing`; it is off unless set, and the daemon logs a
+warning when it is on. Never set it in production.
+
 Listeners: a unix socket by default. ``--port`` opens a TCP listener (on ``--host``, loopback by
 default) and then requires ``--token-file``; with a port, the unix socket is opened too only
 when a socket path is given explicitly (flag or ``TRANSFORMD_SOCKET``).

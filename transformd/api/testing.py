@@ -8,11 +8,27 @@
 
 It runs exactly what ``transformd serve`` runs (:func:`.server.open_listeners`, :func:`.app.create_app`,
 uvicorn), on the same sockets, only in a thread instead of the main thread.
+
+Test hooks of a daemon *process* (``transformd serve`` in a subprocess, where a test cannot reach into
+the objects): the environment variable :data:`TEST_HOOKS_ENV` (``TRANSFORMD_TEST_HOOKS``), a JSON object,
+is read once by :func:`.app.create_app`; it is off (nothing changes) unless set, and the daemon logs a
+warning when it is on. Never set it in production. Keys, all optional::
+
+    {"progress_delay_s": 0.02,                      # sleep this long at every progress update of the converter
+     "phase_delay_s": {"sealed": 0.3, ...},         # sleep at these phases of the cache's publish (the names of
+                                                    # transformd.cache.store's fault hook: reserved, converted,
+                                                    # sealed, manifest-written, before-rename, published)
+     "log": "/path/conversions.log"}                # append "start|end <key> <pid> <thread> <time>" per converter run
+
+Tests use it to kill a daemon at random points of a slowed-down real conversion and to count how many
+converter runs overlap (``max_concurrent_conversions``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import shutil
 import threading
@@ -26,8 +42,112 @@ import httpx
 from ..cache import Cache, Recipe
 from .app import Daemon, create_app
 from .server import Listeners, build_server, open_listeners, run_server
-from .settings import Settings
-from .shards import ConversionOutline, ShardOrder
+from .settings import Settings, SettingsError
+from .shards import ConversionOutline, ShardOrder, bind_shard_order, plan_of
+
+#: Test-only environment variable (a JSON object, see the module docstring); unset in production.
+TEST_HOOKS_ENV = "TRANSFORMD_TEST_HOOKS"
+
+log = logging.getLogger("transformd.api")
+
+
+class TestHooks:
+    """The hooks :data:`TEST_HOOKS_ENV` asks for (see the module docstring)."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(
+        self,
+        progress_delay_s: float = 0.0,
+        phase_delay_s: dict[str, float] | None = None,
+        log: str | os.PathLike[str] | None = None,
+    ):
+        self.progress_delay_s = float(progress_delay_s)
+        self.phase_delay_s = {str(k): float(v) for k, v in (phase_delay_s or {}).items()}
+        self.log = None if log is None else os.fspath(log)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> TestHooks | None:
+        """The hooks of ``$TRANSFORMD_TEST_HOOKS``; None when unset or empty. Raises SettingsError when malformed."""
+        raw = (os.environ if environ is None else environ).get(TEST_HOOKS_ENV, "")
+        if not raw.strip():
+            return None
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or set(data) - {"progress_delay_s", "phase_delay_s", "log"}:
+                raise ValueError("expected an object with progress_delay_s, phase_delay_s, log")
+            return cls(**data)
+        except (ValueError, TypeError) as e:
+            raise SettingsError(f"{TEST_HOOKS_ENV} is not a valid JSON hook description: {e}") from None
+
+    def write_log(self, event: str, key: str) -> None:
+        if self.log is None:
+            return
+        line = f"{event} {key} {os.getpid()} {threading.get_ident()} {time.time():.6f}\n"
+        fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def phase(self, name: str) -> None:
+        """The cache's fault hook: sleep at the configured phases."""
+        delay = self.phase_delay_s.get(name)
+        if delay:
+            time.sleep(delay)
+
+    def wrap(self, converter: Any) -> HookedConverter:
+        return HookedConverter(converter, self)
+
+
+class HookedConverter:
+    """``inner`` with :class:`TestHooks` applied: slowed progress updates and a start/end log per run."""
+
+    def __init__(self, inner: Any, hooks: TestHooks):
+        self.inner = inner
+        self.hooks = hooks
+
+    def plan(self, src: Path, recipe: Recipe) -> ConversionOutline | None:
+        return plan_of(self.inner, src, recipe)
+
+    def __call__(
+        self,
+        src: Path,
+        out: Path,
+        recipe: Recipe,
+        progress: Callable[[Any], None],
+        *,
+        shard_order: ShardOrder | None = None,
+    ) -> Any:
+        key = Path(out).parent.name[:32]
+        delay = self.hooks.progress_delay_s
+
+        def slowed(update: Any) -> None:
+            if delay:
+                time.sleep(delay)
+            progress(update)
+
+        inner = self.inner if shard_order is None else bind_shard_order(self.inner, shard_order)
+        self.hooks.write_log("start", key)
+        try:
+            return inner(src, out, recipe, slowed)
+        finally:
+            self.hooks.write_log("end", key)
+
+    def __repr__(self) -> str:
+        return f"HookedConverter({self.inner!r})"
+
+
+def apply_test_hooks(converter: Any, cache: Cache) -> Any:
+    """``converter`` wrapped as ``$TRANSFORMD_TEST_HOOKS`` asks (and the cache's phase hook set); unchanged if unset."""
+    hooks = TestHooks.from_env()
+    if hooks is None:
+        return converter
+    log.warning("%s is set: test hooks are active (%s); never use this in production", TEST_HOOKS_ENV,
+                os.environ[TEST_HOOKS_ENV])
+    if hooks.phase_delay_s:
+        cache._fault_hook = hooks.phase
+    return hooks.wrap(converter)
 
 
 class OrderedCopyConverter:
@@ -222,3 +342,117 @@ def raw_request(
     head, _, payload = response.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     return status, payload
+
+
+class DaemonProcess:
+    """``python -m transformd serve ...`` in a subprocess (the real daemon, as operators run it), for tests.
+
+    ``start()`` waits until ``/healthz`` answers over the unix socket; ``kill()`` sends SIGKILL, ``stop()``
+    SIGTERM. Standard error goes to ``log_path`` (read it with :meth:`log_text`). ``hooks``: the
+    :data:`TEST_HOOKS_ENV` object (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        cache_dir: str | os.PathLike[str],
+        allow_roots: list[str | os.PathLike[str]],
+        *,
+        args: list[str] | None = None,
+        hooks: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+    ):
+        import sys
+
+        self.socket_path = Path(socket_path)
+        self.cache_dir = Path(cache_dir)
+        self.cmd = [sys.executable, "-m", "transformd", "serve", "--socket", os.fspath(socket_path), "--cache-dir",
+                    os.fspath(cache_dir), "--device", "cpu", "--log-level", "warning"]
+        for root in allow_roots:
+            self.cmd += ["--allow-root", os.fspath(root)]
+        self.cmd += list(args or [])
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFORMD_")}
+        self.env.update(env or {})
+        if hooks:
+            self.env[TEST_HOOKS_ENV] = json.dumps(hooks)
+        self.log_path = Path(log_path) if log_path is not None else self.socket_path.with_suffix(".log")
+        self.proc: Any = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return int(self.proc.pid)
+
+    def start(self, timeout: float = 60.0) -> DaemonProcess:
+        import subprocess
+
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=log_file)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {self.proc.returncode}: {self.log_text()[-3000:]}")
+            if self.socket_path.exists():
+                try:
+                    with self.client(timeout=2.0) as http:
+                        if http.get("/healthz").status_code in (200, 503):
+                            return self
+                except httpx.TransportError:
+                    pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the daemon did not start in {timeout} s: {self.log_text()[-3000:]}")
+            time.sleep(0.05)
+
+    def client(self, *, timeout: float = 30.0) -> httpx.Client:
+        transport = httpx.HTTPTransport(uds=os.fspath(self.socket_path))
+        return httpx.Client(transport=transport, base_url="http://transformd", timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(30)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait; returns the exit status (SIGKILL after ``timeout``)."""
+        import signal
+        import subprocess
+
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return int(self.proc.wait(timeout))
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return int(self.proc.returncode)
+
+    def rss_bytes(self) -> int | None:
+        """Resident set size of the daemon process (``VmRSS`` of /proc/PID/status); None once it exited."""
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def __enter__(self) -> DaemonProcess:  # noqa: PYI034
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop(10)
