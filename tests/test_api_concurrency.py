@@ -214,10 +214,6 @@ class _SlowedConverter(TransformdShardConverter):
         return super().__call__(src, out, recipe, slow, shard_order=shard_order)
 
 
-_HOOK = TransformdShardConverter().supports_shard_order
-
-
-@pytest.mark.xfail(not _HOOK, strict=True, reason="needs checkpoint.convert_checkpoint(shard_order=...)")
 def test_a_shard_requested_early_is_ready_before_the_whole_entry(start, models: Path) -> None:
     """With the real converter: the last shard, requested first, is served while the entry still converts."""
     src = write_sample_checkpoint(models / "sample4", layers=3, experts=4, shards=4)

@@ -19,8 +19,7 @@ protocol below)::
   inode through the renames into ``entries/<key>/checkpoint/``, so a reader that opened or mapped
   ``path`` keeps valid bytes.
 
-:class:`TransformdShardConverter` passes ``shard_order`` when the installed ``convert_checkpoint``
-accepts it and converts in index order otherwise (shards are then served when the entry is ready).
+:class:`TransformdShardConverter` passes it to :func:`transformd.checkpoint.convert_checkpoint`.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..cache import Recipe
+from ..cache import Recipe, TransformdConverter
 
 
 @runtime_checkable
@@ -111,50 +110,14 @@ class ServiceConverter(Protocol):
     ) -> Any: ...
 
 
-class TransformdShardConverter:
-    """:func:`transformd.checkpoint.convert_checkpoint` as a service converter (plan + shard order)."""
-
-    def __init__(self, device: str = "auto"):
-        self.device = device
-
-    @functools.cached_property
-    def supports_shard_order(self) -> bool:
-        """Does the installed ``convert_checkpoint`` take ``shard_order``?"""
-        from ..checkpoint import convert_checkpoint
-
-        return "shard_order" in inspect.signature(convert_checkpoint).parameters
+class TransformdShardConverter(TransformdConverter):
+    """The cache's :class:`~transformd.cache.TransformdConverter` (which takes ``shard_order``) plus ``plan``."""
 
     def plan(self, src: Path, recipe: Recipe) -> ConversionOutline:
         from ..checkpoint import plan_conversion
 
         plan = plan_conversion(src, select=recipe.select)
         return ConversionOutline(tuple(s.name for s in plan.shards), plan.tensor_count, plan.data_bytes)
-
-    def __call__(
-        self,
-        src: Path,
-        out: Path,
-        recipe: Recipe,
-        progress: Callable[[Any], None],
-        *,
-        shard_order: ShardOrder | None = None,
-    ) -> Any:
-        from ..checkpoint import convert_checkpoint
-
-        extra: dict[str, Any] = {}
-        if shard_order is not None and self.supports_shard_order:
-            extra["shard_order"] = shard_order
-        return convert_checkpoint(
-            src,
-            out,
-            target=recipe.target,
-            scale_mode=recipe.scale_mode,
-            select=recipe.select,
-            device=self.device,
-            overwrite=False,
-            progress=progress,
-            **extra,
-        )
 
     def __repr__(self) -> str:
         return f"TransformdShardConverter(device={self.device!r})"

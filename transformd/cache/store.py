@@ -97,7 +97,10 @@ class TransformdConverter:
     def __init__(self, device: str = "auto"):
         self.device = device
 
-    def __call__(self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None]) -> Any:
+    def __call__(
+        self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None], *, shard_order: Any = None
+    ) -> Any:
+        """``shard_order``: a :class:`transformd.checkpoint.ShardOrder` (the daemon's just-in-time shards)."""
         from ..checkpoint import convert_checkpoint  # imported late: the cache does not need torch code
 
         return convert_checkpoint(
@@ -109,6 +112,7 @@ class TransformdConverter:
             device=self.device,
             overwrite=False,
             progress=progress,
+            shard_order=shard_order,
         )
 
     def __repr__(self) -> str:
