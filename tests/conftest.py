@@ -6,6 +6,7 @@ before any transformd module is imported by a test.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -18,3 +19,11 @@ def pytest_configure(config):
 
     if not config.pluginmanager.is_registered(faultlog):
         config.pluginmanager.register(faultlog, "transformd-faultlog")
+
+
+@pytest.fixture(autouse=True)
+def _no_transformd_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests start from defaults: no TRANSFORMD_* variable of the caller's shell leaks in (a test sets its own)."""
+    for name in list(os.environ):
+        if name.startswith("TRANSFORMD_"):
+            monkeypatch.delenv(name)

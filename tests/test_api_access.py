@@ -21,13 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 TOKEN = "s3cret-token-0123456789abcdef"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRANSFORMD_"):
-            monkeypatch.delenv(k)
-
-
 @pytest.fixture
 def layout(tmp_path: Path) -> dict[str, Path]:
     """models/ (allowed) with a good source, and outside/ (not allowed) with secrets and a checkpoint."""

@@ -24,13 +24,6 @@ pytestmark = pytest.mark.timeout(90)
 TOKEN = "cli-token-0123456789abcdef0123"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRANSFORMD_"):
-            monkeypatch.delenv(k)
-
-
 def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str:
     assert proc.stderr is not None
     deadline = time.monotonic() + timeout

@@ -27,13 +27,6 @@ from transformd.sample import write_sample_checkpoint
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRANSFORMD_"):
-            monkeypatch.delenv(k)
-
-
 @pytest.fixture
 def models(tmp_path: Path) -> Path:
     root = tmp_path / "models"

@@ -50,13 +50,6 @@ OLD_ATIME = 1_000_000_000  # 2001-09-09: any read updates it, under relatime as 
 OLD_MTIME = 999_000_000
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRANSFORMD_"):
-            monkeypatch.delenv(k)
-
-
 def _mount_tmpfs(path: Path, options: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, timeout=30,

@@ -45,13 +45,6 @@ HOOKS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRANSFORMD_"):
-            monkeypatch.delenv(k)
-
-
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
     """The sample checkpoint under models/, and the files of its clean conversion (target fnuz, exact)."""

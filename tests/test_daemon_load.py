@@ -17,7 +17,6 @@ by conversion work), and the daemon's resident memory (VmRSS of /proc/PID/status
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import statistics
@@ -46,13 +45,6 @@ MAX_QUEUED = 1
 P99_LIMIT_S = 0.25
 RSS_LIMIT_BYTES = 1536 << 20
 RSS_GROWTH_LIMIT_BYTES = 768 << 20
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRANSFORMD_"):
-            monkeypatch.delenv(k)
 
 
 @pytest.fixture

@@ -52,13 +52,6 @@ CATEGORY = "storage faults under the daemon"
 TMPFS_BYTES = 16 << 20
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRANSFORMD_"):
-            monkeypatch.delenv(k)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("storage-models")
