@@ -6,8 +6,8 @@ the converter asks :meth:`ShardPriority.next` before it starts each shard and re
 shard with :meth:`ShardPriority.done`, so the daemon can serve it from the staging directory before the
 whole checkpoint is published.
 
-The hook this needs in :func:`transformd.checkpoint.convert_checkpoint` (the :class:`ShardOrder`
-protocol below)::
+The hook this needs in :func:`transformd.checkpoint.convert_checkpoint` (the
+:class:`transformd.checkpoint.ShardOrder` protocol)::
 
     convert_checkpoint(src, out, *, ..., shard_order: ShardOrder | None = None) -> ConversionResult
 
@@ -31,18 +31,12 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..cache import Recipe, TransformdConverter
 
-
-@runtime_checkable
-class ShardOrder(Protocol):
-    """What a converter calls to choose its next shard and to report a finished one."""
-
-    def next(self, pending: Sequence[str]) -> str: ...
-
-    def done(self, name: str, path: Path) -> None: ...
+if TYPE_CHECKING:  # the protocol lives beside convert_checkpoint; importing it at run time would load torch
+    from ..checkpoint import ShardOrder
 
 
 class ShardPriority:

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -43,7 +43,10 @@ from ..cache import Cache, Recipe
 from .app import Daemon, create_app
 from .server import Listeners, build_server, open_listeners, run_server
 from .settings import Settings, SettingsError
-from .shards import ConversionOutline, ShardOrder, bind_shard_order, plan_of
+from .shards import ConversionOutline, bind_shard_order, plan_of
+
+if TYPE_CHECKING:
+    from ..checkpoint import ShardOrder
 
 #: Test-only environment variable (a JSON object, see the module docstring); unset in production.
 TEST_HOOKS_ENV = "TRANSFORMD_TEST_HOOKS"
