@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from .formats import ScaleMode, Target, as_codes
 from .reference import convert_reference, dequantize_block, dequantize_mx
+from .safetensors_io import read_header
 
 __all__ = [
     "Report",
@@ -252,8 +253,8 @@ class _Checkpoint:
         self.shape: dict[str, tuple[int, ...]] = {}
         for fname in files:
             path = ckpt / fname
-            for name, info in _read_header(path).items():
-                self.file[name], self.dtype[name], self.shape[name] = path, info["dtype"], tuple(info["shape"])
+            for name, info in read_header(path).tensors.items():
+                self.file[name], self.dtype[name], self.shape[name] = path, info.dtype, tuple(info.shape)
 
     def __contains__(self, name: str) -> bool:
         return name in self.file
@@ -282,15 +283,6 @@ class _Checkpoint:
             scale = self.mx_scale(name) if name.endswith(".weight") else None
             if scale is not None:
                 yield name, scale
-
-
-def _read_header(path: Path) -> dict[str, dict]:
-    """The JSON header of a safetensors file (tensor name -> dtype, shape, offsets), metadata dropped."""
-    with path.open("rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    return header
 
 
 def _transformd_record(ckpt: Path) -> dict:
