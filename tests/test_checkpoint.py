@@ -240,20 +240,28 @@ def _assert_config(src: Path, out: Path, target: str, scale_mode: str) -> None:
     rec = qc["transformd"]
     assert (rec["target"], rec["scale_mode"], rec["format_version"]) == (target, scale_mode, 1)
     old = cfg_in.get("quantization_config", {})
+    unquantized = sorted(
+        name.removesuffix(".weight")
+        for name, info in _output_tensor_infos(out).items()
+        if name.endswith(".weight") and info.dtype in ("BF16", "F16", "F32") and len(info.shape) >= 2
+    )
+    assert qc["ignored_layers"] == unquantized, "exact names of the unquantized layers, derived from the output"
+    assert qc["modules_to_not_convert"] == unquantized
+    assert "ignore" not in qc and "exclude_modules" not in qc, "input patterns are not copied where engines read"
     if "ignore" in old:
-        assert qc["ignore"] == old["ignore"]
-        assert qc["ignored_layers"][: len(old["ignore"])] == old["ignore"]
-        assert qc["modules_to_not_convert"] == qc["ignored_layers"]
+        assert rec["source_exclusions"]["config.json:ignore"] == old["ignore"], "kept as provenance"
     if "kv_cache_scheme" in old:
         assert qc["kv_cache_scheme"] == old["kv_cache_scheme"]
-    if (src / "hf_quant_config.json").exists():
-        hq_in = json.loads((src / "hf_quant_config.json").read_text())
-        hq = json.loads((out / "hf_quant_config.json").read_text())
-        assert hq["quantization"]["quant_algo"] == "FP8_PB_WO" and hq["quantization"]["group_size"] == 128
-        assert hq["producer"] == hq_in["producer"]
-        assert hq["quantization"]["exclude_modules"] == hq_in["quantization"]["exclude_modules"]
-        for m in hq_in["quantization"]["exclude_modules"]:
-            assert m in qc["ignored_layers"], "hf_quant_config.json's exclusions reach config.json"
+    assert not (out / "hf_quant_config.json").exists(), "the MXFP8 recipe file is not carried over"
+    assert not any(
+        info.dtype in ("U8", "F8_E8M0") or (info.dtype.startswith("F8_") and name + "_scale_inv" not in infos)
+        for infos in [_output_tensor_infos(out)]
+        for name, info in infos.items()
+    ), "nothing MX left, and every FP8 weight has its block scale"
+
+
+def _output_tensor_infos(out: Path) -> dict:
+    return {name: info for f in sorted(out.glob("*.safetensors")) for name, info in read_header(f).tensors.items()}
 
 
 def _record_rewritten_shards(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -289,7 +297,7 @@ def test_round_trip_targets_and_modes(tmp_path: Path, target: str, scale_mode: s
     assert isinstance(result, ConversionResult) and result.out == tmp_path / "out"
     converted = assert_converted(src, tmp_path / "out", target, scale_mode)
     assert sorted(result.converted) == sorted(converted) and len(converted) == 8
-    assert result.shards == [SHARD_A, SHARD_B] and result.unconverted == []
+    assert result.shards == [SHARD_A, SHARD_B]
     assert filecmp.cmp(src / SHARD_A, tmp_path / "out" / SHARD_A, shallow=False), "shard without MXFP8 copied as is"
     assert result.bytes_written > 0 and result.bytes_read > 0 and result.seconds > 0
     assert _parent_listing(tmp_path) == ["out", "src"], "no staging directory left behind"
@@ -324,14 +332,20 @@ def test_fused_experts_in_small_chunks_match(tmp_path: Path) -> None:
 
 
 def test_config_without_quantization_config(tmp_path: Path) -> None:
-    """ModelOpt exports where only hf_quant_config.json describes the quantization: its exclusions carry over."""
+    """ModelOpt exports where only hf_quant_config.json describes the quantization: its glob exclusions become the
+    exact names of the unquantized layers, and the globs are kept as provenance."""
     config = {k: v for k, v in model_config().items() if k != "quantization_config"}
     src = write_checkpoint(tmp_path / "src", config=config)
     convert_checkpoint(src, tmp_path / "out", device="cpu")
     out_config = json.loads((tmp_path / "out" / "config.json").read_text())
     qc = out_config.pop("quantization_config")
     assert out_config == config
-    assert qc["ignored_layers"] == qc["modules_to_not_convert"] == ["lm_head", "model.layers.*.mlp.gate", "mtp"]
+    assert qc["ignored_layers"] == qc["modules_to_not_convert"] == [
+        "lm_head", "model.embed_tokens", "model.layers.0.mlp.gate"
+    ]
+    assert qc["transformd"]["source_exclusions"] == {
+        "hf_quant_config.json:quantization:exclude_modules": ["lm_head", "model.layers.*.mlp.gate", "mtp"]
+    }
     assert "ignore" not in qc and "kv_cache_scheme" not in qc
     assert qc["transformd"]["source_quantization"] == {"quant_algo": "MXFP8"}
 
@@ -382,31 +396,28 @@ def test_scale_in_another_shard(tmp_path: Path) -> None:
     assert moved not in load_file(str(tmp_path / "out" / SHARD_A))
 
 
-def test_select_restricts_conversion(tmp_path: Path) -> None:
+def test_select_that_leaves_mxfp8_weights_is_refused(tmp_path: Path) -> None:
+    """A block-FP8 output may not carry MXFP8 tensors: engines would read them as block FP8 without an error."""
     src = write_checkpoint(tmp_path / "src")
-    result = convert_checkpoint(src, tmp_path / "out", select=r"\.experts\.", device="cpu")
-    converted = assert_converted(src, tmp_path / "out", select=r"\.experts\.")
-    assert converted == set(result.converted) and all(".experts." in n for n in converted) and len(converted) == 6
-    assert sorted(result.unconverted) == [f"{O}.weight", f"{Q}.weight"]
-    out_b = load_file(str(tmp_path / "out" / SHARD_B))
-    assert out_b["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn, "left as MXFP8"
-    assert out_b["model.layers.0.self_attn.q_proj.weight_scale"].dtype == torch.uint8
+    with pytest.raises(CheckpointError, match=r"leaves 2 of the 8 MXFP8 weights unconverted \(first: .*o_proj.weight"):
+        convert_checkpoint(src, tmp_path / "out", select=r"\.experts\.", device="cpu")
+    assert _parent_listing(tmp_path) == ["src"]
+    result = convert_checkpoint(src, tmp_path / "out", select=r"proj", device="cpu")
+    assert len(result.converted) == 8
     rec = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["transformd"]
-    assert rec["select"] == r"\.experts\."
-    assert rec["unconverted_mxfp8"] == ["model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.q_proj"]
+    assert rec["select"] == "proj"
 
 
-def test_select_ignores_unselected_non_mx_weights(tmp_path: Path) -> None:
-    """A per-tensor FP8 layer (F32 scale) is refused by default but may be left out with select."""
+def test_per_tensor_fp8_weight_is_refused(tmp_path: Path) -> None:
+    """A per-tensor FP8 layer (F32 scale) would sit under a block-FP8 config without its block scale: refused."""
     shards = default_shards()
     shards[SHARD_B]["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(32, 96, dtype=torch.float8_e4m3fn)
     shards[SHARD_B]["model.layers.0.self_attn.v_proj.weight_scale"] = torch.tensor(0.5)
     src = write_checkpoint(tmp_path / "src", shards)
-    with pytest.raises(CheckpointError, match="v_proj.weight_scale is F32 \\[\\], not E8M0"):
-        convert_checkpoint(src, tmp_path / "out", device="cpu")
-    convert_checkpoint(src, tmp_path / "out", select="^(?!.*v_proj)", device="cpu")
-    out_b = load_file(str(tmp_path / "out" / SHARD_B))
-    assert out_b["model.layers.0.self_attn.v_proj.weight_scale"].item() == 0.5
+    for select in (None, "^(?!.*v_proj)"):
+        with pytest.raises(CheckpointError, match="v_proj.weight_scale is F32 \\[\\], not E8M0"):
+            convert_checkpoint(src, tmp_path / "out", select=select, device="cpu")
+    assert _parent_listing(tmp_path) == ["src"]
 
 
 def test_sample_checkpoint_round_trip(tmp_path: Path) -> None:

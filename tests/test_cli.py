@@ -50,13 +50,12 @@ def test_progress_bar_only_on_a_terminal(tmp_path: Path, capsys, monkeypatch) ->
     assert "converting" in bar and "22/22 tensors" in bar
 
 
-def test_convert_select(tmp_path: Path, capsys) -> None:
+def test_convert_select_leaving_mxfp8_exit_2(tmp_path: Path, capsys) -> None:
     src = write_checkpoint(tmp_path / "src")
     code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--select", r"down_proj",
                                 "--device", "cpu")
-    assert code == 0 and stdout[-1] == str(tmp_path / "out")
-    assert stderr == ["transformd: note: 5 MXFP8 weights not matched by --select were left as MXFP8"]
-    assert_converted(src, tmp_path / "out", select="down_proj")
+    assert code == 2 and stdout == [] and not (tmp_path / "out").exists()
+    assert len(stderr) == 1 and "leaves 5 of the 8 MXFP8 weights unconverted" in stderr[0]
 
 
 def test_convert_non_empty_out_exit_2(tmp_path: Path, capsys) -> None:

@@ -81,8 +81,20 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 import torch
 
 from .convert import convert_weight, resolve_device
-from .formats import FORMAT_VERSION, MX_BLOCK, TILE, MxFormatError, ScaleMode, Target, check_pair_shapes, tile_grid
+from .formats import (
+    FORMAT_VERSION,
+    MX_BLOCK,
+    TILE,
+    MxFormatError,
+    ScaleMode,
+    Target,
+    check_pair_shapes,
+    expand_row_blocks,
+    infer_row_block,
+    tile_grid,
+)
 from .kernels import convert_triton
+from .quant_config import output_quantization_config, quark_row_block, source_quantization, unquantized_modules
 from .safetensors_io import (
     TORCH_DTYPES,
     CheckpointError,
@@ -109,20 +121,15 @@ CONFIG_NAME = "config.json"
 HF_QUANT_NAME = "hf_quant_config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_SHARD_NAME = "model.safetensors"
-#: Scale names of an MXFP8 weight ``X.weight``: ``X.<suffix>``.
-SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
+#: Scale names of an MXFP8 weight ``W`` (``X.weight``, or ``X`` in fused HF-v5 naming): ``W<suffix>``.
+SCALE_SUFFIXES = ("_scale_inv", "_scale")
 #: safetensors dtypes that hold E8M0 scale bytes.
 E8M0_DTYPES = ("U8", "F8_E8M0")
 #: safetensors dtype of MXFP8 weight codes.
 MX_CODE_DTYPE = "F8_E4M3"
-#: Output scale name ``X.weight_scale_inv`` (multiply to dequantize), as vLLM's block-FP8 layers expect.
-OUT_SCALE_SUFFIX = "weight_scale_inv"
-#: Keys under which quantization configs list unquantized modules (vLLM, transformers, ModelOpt, compressed-tensors).
-EXCLUDE_KEYS = ("ignored_layers", "modules_to_not_convert", "exclude_modules", "ignore")
-#: KV-cache settings of the input's quantization config, carried over as they are.
-KV_CACHE_KEYS = ("kv_cache_scheme", "kv_cache_quant_algo")
-#: ModelOpt's quant_algo for 128x128 block FP8 weights.
-BLOCK_QUANT_ALGO = "FP8_PB_WO"
+#: Output scale name ``W_scale_inv`` (``X.weight_scale_inv``; multiply to dequantize), as the engines' block-FP8
+#: layers name it.
+OUT_SCALE_SUFFIX = "_scale_inv"
 #: Largest slice of one weight (input code bytes) read and converted at once.
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 
@@ -133,12 +140,19 @@ DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class MxPair:
-    """One MXFP8 weight and its E8M0 scale (possibly in another shard)."""
+    """One MXFP8 weight and its E8M0 scale (possibly in another shard).
+
+    Named ``X.weight`` + ``X.weight_scale`` / ``X.weight_scale_inv``, or, in fused HF-v5 expert naming,
+    ``X`` + ``X_scale_inv`` / ``X_scale`` (``mlp.experts.gate_up_proj``); the converted scale is
+    ``<weight name>_scale_inv`` either way (``X.weight_scale_inv``, ``X_scale_inv``). ``row_block`` rows share
+    one row of scales: 1 for MXFP8's 1x32 blocks, R for AMD Quark's ``per_block`` Rx32 blocks.
+    """
 
     weight: TensorInfo
     weight_shard: str
     scale: TensorInfo
     scale_shard: str
+    row_block: int = 1
 
     @property
     def module(self) -> str:
@@ -146,7 +160,7 @@ class MxPair:
 
     @property
     def out_scale_name(self) -> str:
-        return f"{self.module}.{OUT_SCALE_SUFFIX}"
+        return self.weight.name + OUT_SCALE_SUFFIX
 
     @property
     def out_scale_shape(self) -> tuple[int, ...]:
@@ -179,7 +193,6 @@ class ConversionPlan:
     index: dict[str, Any] | None
     shards: tuple[ShardPlan, ...]
     selected: tuple[MxPair, ...]
-    unselected: tuple[MxPair, ...]
     select: str | None
     other_files: tuple[Path, ...]
     left_out: tuple[Path, ...] = ()
@@ -211,7 +224,6 @@ class ConversionResult:
 
     out: Path
     converted: list[str]
-    unconverted: list[str]
     shards: list[str]
     left_out: list[str]
     bytes_read: int
@@ -240,15 +252,25 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
     if index is not None:
         _check_index(src, index, headers)
     tensors = {t.name: (shard, t) for shard, h in headers.items() for t in h.tensors.values()}
-    selected, unselected = _find_pairs(src, tensors, select_re)
-    if not selected and not unselected:
+    pairs = _find_pairs(src, tensors, quark_row_block(config))
+    if not pairs:
         raise CheckpointError(
-            "no MXFP8 weights: found no F8_E4M3 X.weight with a U8/F8_E8M0 X.weight_scale or X.weight_scale_inv; "
-            "nothing to convert",
+            "no MXFP8 weights: found no F8_E4M3 weight (X.weight, or X in fused expert naming) with a U8/F8_E8M0 "
+            "scale (X.weight_scale, X.weight_scale_inv, X_scale_inv); nothing to convert",
             file=src,
         )
-    if not selected:
-        raise CheckpointError(f"--select {select!r} matches none of the {len(unselected)} MXFP8 weights", file=src)
+    if select_re is not None:
+        left = [p.weight.name for p in pairs if select_re.search(p.weight.name) is None]
+        if len(left) == len(pairs):
+            raise CheckpointError(f"--select {select!r} matches none of the {len(pairs)} MXFP8 weights", file=src)
+        if left:
+            raise CheckpointError(
+                f"--select {select!r} leaves {len(left)} of the {len(pairs)} MXFP8 weights unconverted (first: "
+                f"{left[0]}); a block-FP8 checkpoint cannot carry MXFP8 tensors (engines would read them as block "
+                "FP8 without an error), so every MXFP8 weight must be selected",
+                file=src,
+            )
+    selected = pairs
     for pair in selected:
         _check_pair(src, pair, tensors)
     shards = tuple(_plan_shard(name, headers[name], selected) for name in shard_names)
@@ -264,7 +286,6 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
         index=index,
         shards=shards,
         selected=tuple(selected),
-        unselected=tuple(unselected),
         select=select,
         other_files=tuple(f for f in other_files if f not in left_out),
         left_out=tuple(left_out),
@@ -332,73 +353,67 @@ def _check_index(src: Path, index: dict[str, Any], headers: dict[str, Header]) -
                 raise CheckpointError(problem, file=src / shard, tensor=name)
 
 
-def _find_pairs(
-    src: Path, tensors: dict[str, tuple[str, TensorInfo]], select_re: re.Pattern[str] | None
-) -> tuple[list[MxPair], list[MxPair]]:
-    """All MXFP8 pairs, split into (selected, unselected); malformed selected ones raise."""
-    selected: list[MxPair] = []
-    unselected: list[MxPair] = []
-    weights = {
-        name.removesuffix(".weight")
-        for name, (_, t) in tensors.items()
-        if name.endswith(".weight") and t.dtype == MX_CODE_DTYPE
-    }
-    scaled = {
-        name[: -len(suffix) - 1]
-        for name, (_, t) in tensors.items()
-        for suffix in SCALE_SUFFIXES
-        if name.endswith("." + suffix) and t.dtype in E8M0_DTYPES
-    }
-    for module in sorted(weights | scaled):
-        weight_name = f"{module}.weight"
-        is_selected = select_re is None or select_re.search(weight_name) is not None
-        pair = _pair_of(src, module, tensors, strict=is_selected)
-        if pair is not None:
-            (selected if is_selected else unselected).append(pair)
-    return selected, unselected
+def _find_pairs(src: Path, tensors: dict[str, tuple[str, TensorInfo]], row_block_hint: int | None) -> list[MxPair]:
+    """Every MXFP8 pair, checked; any F8_E4M3 or E8M0 tensor that is not part of a valid pair raises.
+
+    An output that says ``fp8`` must hold nothing MX and no FP8 weight without its block scale: engines would
+    read either as block FP8 and compute garbage without a word.
+    """
+    scales_of: dict[str, list[tuple[str, TensorInfo]]] = {}
+    for name, (shard, t) in tensors.items():
+        if t.dtype in E8M0_DTYPES:
+            suffix = next((x for x in SCALE_SUFFIXES if name.endswith(x)), None)
+            if suffix is not None:
+                scales_of.setdefault(name.removesuffix(suffix), []).append((shard, t))
+    for weight_name, found in sorted(scales_of.items()):
+        if weight_name not in tensors:
+            shard, scale = found[0]
+            problem = f"E8M0 scale without its weight {weight_name}"
+            raise CheckpointError(problem, file=src / shard, tensor=scale.name)
+    pairs = []
+    for name in sorted(set(scales_of) | {n for n, (_, t) in tensors.items() if t.dtype == MX_CODE_DTYPE}):
+        pairs.append(_pair_of(src, name, tensors, scales_of.get(name, []), row_block_hint))
+    return pairs
 
 
-def _pair_of(src: Path, module: str, tensors: dict[str, tuple[str, TensorInfo]], *, strict: bool) -> MxPair | None:
-    """The pair of ``module``, or None when it is not MXFP8; with ``strict``, a malformed pair raises."""
-    weight_name = f"{module}.weight"
-    scales = [tensors[f"{module}.{s}"] for s in SCALE_SUFFIXES if f"{module}.{s}" in tensors]
-    e8m0 = [(shard, t) for shard, t in scales if t.dtype in E8M0_DTYPES]
-    weight = tensors.get(weight_name)
+def _pair_of(
+    src: Path,
+    weight_name: str,
+    tensors: dict[str, tuple[str, TensorInfo]],
+    e8m0: list[tuple[str, TensorInfo]],
+    row_block_hint: int | None,
+) -> MxPair:
+    """The pair of ``weight_name`` (which has an E8M0 scale or F8_E4M3 codes); raise when it is not a valid one."""
+    w_shard, w = tensors[weight_name]
 
-    def fail(problem: str, shard: str, tensor: str) -> CheckpointError:
+    def fail(problem: str, shard: str = w_shard, tensor: str = weight_name) -> CheckpointError:
         return CheckpointError(problem, file=src / shard, tensor=tensor)
 
-    if weight is None:
-        shard, scale = e8m0[0]
-        if strict:
-            raise fail(f"E8M0 scale without its weight {weight_name}", shard, scale.name)
-        return None
-    w_shard, w = weight
-    if len(e8m0) == 1 and w.dtype == MX_CODE_DTYPE:
-        s_shard, s = e8m0[0]
-        return MxPair(w, w_shard, s, s_shard)
-    if not strict:
-        return None
+    names = " or ".join(weight_name + x for x in SCALE_SUFFIXES)
     if w.dtype != MX_CODE_DTYPE:
         raise fail(
             f"weight is {w.dtype}, but its scale {e8m0[0][1].name} is E8M0: MXFP8 weights are {MX_CODE_DTYPE} "
-            "(other MX formats, e.g. packed MXFP4, are not supported)",
-            w_shard,
-            weight_name,
+            "(other MX formats, e.g. packed MXFP4, are not supported)"
         )
     if len(e8m0) > 1:
-        names = " and ".join(f"{module}.{s}" for s in SCALE_SUFFIXES)
-        raise fail(f"weight has two E8M0 scales, {names}", w_shard, weight_name)
-    if not scales:
-        names = " and ".join(f"{module}.{s}" for s in SCALE_SUFFIXES)
-        raise fail(f"{MX_CODE_DTYPE} weight without its scale (looked for {names})", w_shard, weight_name)
-    shard, scale = scales[0]
-    raise fail(
-        f"{MX_CODE_DTYPE} weight whose scale {scale.name} is {scale.dtype} {list(scale.shape)}, not E8M0 "
-        f"({' or '.join(E8M0_DTYPES)}): not an MXFP8 weight (use --select to leave it out)",
-        w_shard,
-        weight_name,
-    )
+        raise fail(f"weight has two E8M0 scales, {' and '.join(t.name for _, t in e8m0)}")
+    if not e8m0:
+        other = next((tensors[weight_name + x] for x in SCALE_SUFFIXES if weight_name + x in tensors), None)
+        if other is None:
+            raise fail(f"{MX_CODE_DTYPE} weight without its scale (looked for an E8M0 {names}); not an MXFP8 weight")
+        shard, scale = other
+        raise fail(
+            f"{MX_CODE_DTYPE} weight whose scale {scale.name} is {scale.dtype} {list(scale.shape)}, not E8M0 "
+            f"({' or '.join(E8M0_DTYPES)}): not an MXFP8 weight, and transformd writes only pure block-FP8 "
+            "checkpoints"
+        )
+    s_shard, s = e8m0[0]
+    row_block = 1  # when no R fits, the shape check of _check_pair names the expected 1x32 shape
+    if len(w.shape) >= 2 and len(s.shape) == len(w.shape) and s.shape[-2] != w.shape[-2]:
+        n, rows = w.shape[-2], s.shape[-2]
+        hinted = row_block_hint if row_block_hint and -(-n // row_block_hint) == rows else None
+        row_block = hinted or infer_row_block(n, rows) or 1
+    return MxPair(w, w_shard, s, s_shard, row_block)
 
 
 def _check_pair(src: Path, pair: MxPair, tensors: dict[str, tuple[str, TensorInfo]]) -> None:
@@ -406,7 +421,7 @@ def _check_pair(src: Path, pair: MxPair, tensors: dict[str, tuple[str, TensorInf
     codes = torch.empty(pair.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
     scales = torch.empty(pair.scale.shape, dtype=TORCH_DTYPES[pair.scale.dtype], device="meta")
     try:
-        check_pair_shapes(codes, scales)
+        check_pair_shapes(codes, scales, pair.row_block)
     except MxFormatError as err:
         raise err.located(tensor=pair.weight.name, file=str(src / pair.weight_shard)) from None
     if codes.numel() == 0:  # the header may declare any number of empty experts; there is nothing to convert
@@ -617,7 +632,6 @@ def convert_checkpoint(
     return ConversionResult(
         out=out,
         converted=[p.weight.name for p in plan.selected],
-        unconverted=[p.weight.name for p in plan.unselected],
         shards=[s.name for s in plan.shards],
         left_out=[str(f) for f in plan.left_out],
         bytes_read=run.tally.read,
@@ -1165,8 +1179,7 @@ class _Lane:
             slot = self.inputs.take()
             codes, scales = _slot_views(slot, unit)
             files.read_into(pair.weight_shard, pair.weight.begin + unit.code_offset, codes)
-            files.read_into(pair.scale_shard, pair.scale.begin + unit.code_offset // MX_BLOCK, scales)
-            self.run.tally.add(read=codes.numel() + scales.numel())
+            self.run.tally.add(read=codes.numel() + _read_scales(pair, unit, files, scales))
             self.to_converter.put(_Piece(pair, unit, slot, last=i == len(units) - 1))
 
     # -- converter
@@ -1266,6 +1279,25 @@ class _Lane:
                 self.run.shard_order.done(path.name, path)
 
 
+def _read_scales(pair: MxPair, unit: _Unit, files: _OpenFiles, out: torch.Tensor) -> int:
+    """Read the E8M0 scales of ``unit`` into ``out`` (one row of scales per weight row); return the bytes read.
+
+    Rx32 block scales (Quark ``per_block``) are read once per block row and repeated for the R rows they cover.
+    """
+    if pair.row_block == 1:
+        files.read_into(pair.scale_shard, pair.scale.begin + unit.code_offset // MX_BLOCK, out)
+        return out.numel()
+    *_, rows, kb = pair.scale.shape
+    first, stop = unit.r0 // pair.row_block, (unit.r1 - 1) // pair.row_block + 1
+    block = torch.empty((unit.e1 - unit.e0, stop - first, kb), dtype=torch.uint8)
+    for i, e in enumerate(range(unit.e0, unit.e1)):
+        files.read_into(pair.scale_shard, pair.scale.begin + (e * rows + first) * kb, block[i])
+    per_row = expand_row_blocks(block, stop * pair.row_block - first * pair.row_block, pair.row_block)
+    skip = unit.r0 - first * pair.row_block
+    out.copy_(per_row[:, skip : skip + unit.r1 - unit.r0].reshape(out.shape))
+    return block.numel()
+
+
 class _OpenFiles:
     """Input shards opened on first use (by name), for positional reads, until :meth:`close`."""
 
@@ -1299,15 +1331,14 @@ class _OpenFiles:
 
 
 def _write_metadata_files(run: _Run, select: str | None) -> None:
+    """config.json and the index of the output. hf_quant_config.json is not carried over: it describes the MXFP8
+    input (ModelOpt's legacy place for the recipe) and some loaders read it before config.json."""
     plan = run.plan
-    record = _transformd_record(run, select)
     if plan.index is not None:
         run.tally.add(written=_write_json(run.staging / INDEX_NAME, _rewrite_index(plan.index, run.output_tensors)))
-    config = _rewrite_config(plan.config, plan.hf_quant_config, record)
-    run.tally.add(written=_write_json(run.staging / CONFIG_NAME, config))
-    if plan.hf_quant_config is not None:
-        hf_quant = _rewrite_hf_quant_config(plan.hf_quant_config, record)
-        run.tally.add(written=_write_json(run.staging / HF_QUANT_NAME, hf_quant))
+    unquantized = unquantized_modules(spec for shard in plan.shards for spec in _output_specs(run.target, shard))
+    qc = output_quantization_config(plan.config, plan.hf_quant_config, unquantized, _transformd_record(run, select))
+    run.tally.add(written=_write_json(run.staging / CONFIG_NAME, {**plan.config, "quantization_config": qc}))
 
 
 def _rewrite_index(index: dict[str, Any], output_tensors: dict[str, tuple[str, int]]) -> dict[str, Any]:
@@ -1328,81 +1359,12 @@ def _transformd_record(run: _Run, select: str | None) -> dict[str, Any]:
         "scale_mode": run.scale_mode.value,
         "weight_dtype": run.target.safetensors_dtype,
     }
-    source = _source_quantization(run.plan.config, run.plan.hf_quant_config)
+    source = source_quantization(run.plan.config, run.plan.hf_quant_config)
     if source:
         record["source_quantization"] = source
     if select is not None:
         record["select"] = select
-        record["unconverted_mxfp8"] = [p.module for p in run.plan.unselected]
     return record
-
-
-def _source_quantization(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> dict[str, str]:
-    """quant_method / quant_algo of the input, wherever its configs state them (for the record only)."""
-    qc = config.get("quantization_config")
-    places = [qc, qc.get("quantization") if isinstance(qc, dict) else None]
-    if hf_quant is not None:
-        places.append(hf_quant.get("quantization"))
-    found: dict[str, str] = {}
-    for place in places:
-        if isinstance(place, dict):
-            for key in ("quant_method", "quant_algo"):
-                if isinstance(place.get(key), str):
-                    found.setdefault(key, place[key])
-    return found
-
-
-def _rewrite_config(config: dict[str, Any], hf_quant: dict[str, Any] | None, record: dict[str, Any]) -> dict[str, Any]:
-    """config.json with ``quantization_config`` replaced by the block-FP8 form; all other fields untouched."""
-    old = config.get("quantization_config")
-    old = old if isinstance(old, dict) else {}
-    excluded = _excluded_modules(old, hf_quant)
-    qc: dict[str, Any] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [TILE, TILE],
-    }
-    for key in EXCLUDE_KEYS:
-        if key in old:
-            qc[key] = old[key]
-    qc["ignored_layers"] = excluded
-    qc["modules_to_not_convert"] = excluded
-    for key in KV_CACHE_KEYS:
-        if key in old:
-            qc[key] = old[key]
-    qc["transformd"] = record
-    new = dict(config)
-    new["quantization_config"] = qc
-    return new
-
-
-def _excluded_modules(config_qc: dict[str, Any], hf_quant: dict[str, Any] | None) -> list[str]:
-    """Union, in order, of every excluded-module list the input's configs give (flat or under ``quantization``)."""
-    sources: list[Any] = [config_qc, config_qc.get("quantization")]
-    if hf_quant is not None:
-        sources += [hf_quant.get("quantization"), hf_quant]
-    seen: dict[str, None] = {}
-    for source in sources:
-        if not isinstance(source, dict):
-            continue
-        for key in EXCLUDE_KEYS:
-            value = source.get(key)
-            if isinstance(value, list):
-                seen.update((v, None) for v in value if isinstance(v, str))
-    return list(seen)
-
-
-def _rewrite_hf_quant_config(hf_quant: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
-    """ModelOpt's file, saying FP8_PB_WO (128x128 block FP8 weights); producer, KV-cache and exclusions kept."""
-    new = dict(hf_quant)
-    quant = hf_quant.get("quantization")
-    quant = dict(quant) if isinstance(quant, dict) else {}
-    quant["quant_algo"] = BLOCK_QUANT_ALGO
-    quant["group_size"] = TILE
-    new["quantization"] = quant
-    new["transformd"] = record
-    return new
 
 
 def _copy_other_files(run: _Run) -> None:

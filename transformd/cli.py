@@ -177,11 +177,6 @@ def _run_convert(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=bar.update,
         )
-    if result.unconverted:
-        print(
-            f"transformd: note: {len(result.unconverted)} MXFP8 weights not matched by --select were left as MXFP8",
-            file=sys.stderr,
-        )
     if result.left_out:
         print(f"transformd: note: not referenced by the index, not carried over: {', '.join(result.left_out)}",
               file=sys.stderr)

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from .formats import MxFormatError, ScaleMode, Target, as_codes, check_pair_shapes, find_value_problem
+from .formats import (
+    MxFormatError,
+    ScaleMode,
+    Target,
+    as_codes,
+    check_pair_shapes,
+    expand_row_blocks,
+    find_value_problem,
+    infer_row_block,
+)
 from .kernels import convert_triton
 from .reference import convert_reference
 
@@ -35,6 +44,7 @@ def convert_weight(
     device: str | torch.device | None = "auto",
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    row_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate and convert one MXFP8 weight ([N, K] or [E, N, K]).
 
@@ -42,10 +52,16 @@ def convert_weight(
     ``float8_e4m3fnuz`` (target ``fnuz``) or ``float8_e4m3fn`` (``ocp``), scale_inv
     float32 ``[..., ceil(N/128), ceil(K/128)]``. Raises :class:`MxFormatError`
     for input that breaks the MXFP8 contract.
+
+    ``scales`` may also be AMD Quark ``per_block`` scales ``[..., ceil(N/R), K/32]`` (one E8M0 scale per Rx32
+    block): ``row_block`` gives R, or is inferred from the shapes where they leave one choice.
     """
     target, scale_mode = Target(target), ScaleMode(scale_mode)
     codes, scales = as_codes(codes), as_codes(scales)
-    check_pair_shapes(codes, scales)
+    if row_block is None and codes.dim() >= 2 and scales.dim() == codes.dim():
+        row_block = infer_row_block(codes.shape[-2], scales.shape[-2])  # None: the shape check below explains
+    check_pair_shapes(codes, scales, row_block or 1)
+    scales = expand_row_blocks(scales, codes.shape[-2], row_block or 1)
     dev = resolve_device(device)
     if dev.type == "cpu" or codes.numel() == 0:
         problem = find_value_problem(codes, scales)

@@ -82,8 +82,12 @@ def as_codes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def check_pair_shapes(codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Check dtypes and shapes of a weight/scale pair (no data is read)."""
+def check_pair_shapes(codes: torch.Tensor, scales: torch.Tensor, row_block: int = 1) -> None:
+    """Check dtypes and shapes of a weight/scale pair (no data is read).
+
+    ``row_block`` is the number of rows that share one row of scales: 1 for MXFP8's 1x32 blocks,
+    R for AMD Quark's ``per_block`` Rx32 blocks (scales ``[..., ceil(N/R), K/32]``).
+    """
     if codes.dtype not in CODE_DTYPES:
         raise MxFormatError(f"weight dtype {_dt(codes.dtype)} is not float8_e4m3fn (or uint8 codes)")
     if scales.dtype not in SCALE_DTYPES:
@@ -93,11 +97,40 @@ def check_pair_shapes(codes: torch.Tensor, scales: torch.Tensor) -> None:
     k = codes.shape[-1]
     if k % MX_BLOCK:
         raise MxFormatError(f"K = {k} (last axis of weight {list(codes.shape)}) is not a multiple of {MX_BLOCK}")
-    expected = [*codes.shape[:-1], k // MX_BLOCK]
+    if row_block < 1:
+        raise MxFormatError(f"{row_block} rows per scale block; expected at least 1")
+    expected = [*codes.shape[:-2], -(-codes.shape[-2] // row_block), k // MX_BLOCK]
     if list(scales.shape) != expected:
+        blocks = f"{row_block}x{MX_BLOCK}" if row_block > 1 else f"1x{MX_BLOCK}"
         raise MxFormatError(
-            f"scale shape {list(scales.shape)} does not match weight shape {list(codes.shape)}; expected {expected}"
+            f"scale shape {list(scales.shape)} does not match weight shape {list(codes.shape)}; expected {expected} "
+            f"({blocks} blocks)"
         )
+
+
+def infer_row_block(n: int, scale_rows: int) -> int | None:
+    """Rows that share one scale row, when the shapes alone tell: 1 when ``scale_rows == n``; else the one R
+    with ``ceil(n / R) == scale_rows`` if there is exactly one (Quark ``per_block``); else None (ambiguous or
+    impossible: the quantization config must say).
+    """
+    if scale_rows == n:
+        return 1
+    if not 0 < scale_rows < n:
+        return None
+    smallest = -(-n // scale_rows)
+    largest = -(-n // (scale_rows - 1)) - 1 if scale_rows > 1 else n
+    return smallest if smallest == largest else None
+
+
+def expand_row_blocks(scales: torch.Tensor, n: int, row_block: int) -> torch.Tensor:
+    """Per-row scales ``[..., n, K/32]`` from Rx32 block scales ``[..., ceil(n/R), K/32]`` (a copy when R > 1).
+
+    One E8M0 scale shared by R rows is still one power of two per element, so the expanded pair decodes to
+    exactly the same values.
+    """
+    if row_block == 1:
+        return scales
+    return scales.repeat_interleave(row_block, dim=-2)[..., :n, :]
 
 
 def find_value_problem(codes: torch.Tensor, scales: torch.Tensor) -> str | None:
@@ -124,10 +157,10 @@ def find_value_problem(codes: torch.Tensor, scales: torch.Tensor) -> str | None:
     return None
 
 
-def validate_pair(codes: torch.Tensor, scales: torch.Tensor) -> None:
+def validate_pair(codes: torch.Tensor, scales: torch.Tensor, row_block: int = 1) -> None:
     """Raise :class:`MxFormatError` unless the pair obeys the MXFP8 contract."""
-    check_pair_shapes(codes, scales)
-    problem = find_value_problem(codes, scales)
+    check_pair_shapes(codes, scales, row_block)
+    problem = find_value_problem(codes, expand_row_blocks(scales, codes.shape[-2], row_block))
     if problem:
         raise MxFormatError(problem)
 

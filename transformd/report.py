@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .formats import ScaleMode, Target, as_codes
+from .formats import ScaleMode, Target, as_codes, expand_row_blocks, infer_row_block
 from .reference import convert_reference, dequantize_block, dequantize_mx
 from .safetensors_io import read_header
 
@@ -46,8 +46,8 @@ __all__ = [
 _OUT_DTYPES = {Target.FNUZ.safetensors_dtype: Target.FNUZ, Target.OCP.safetensors_dtype: Target.OCP}
 #: safetensors dtypes of an E8M0 scale.
 _E8M0_DTYPES = ("U8", "F8_E8M0")
-#: Names an MXFP8 input scale has next to ``X.weight``.
-_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
+#: Name endings of an MXFP8 input scale next to its weight W (``X.weight_scale``, ``X.weight_scale_inv``, ``X_scale_inv``).
+_SCALE_SUFFIXES = ("_scale", "_scale_inv")
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def compare_checkpoints(
     rows: list[TensorRow] = []
     seen_target: Target | None = None
     for name in out.names():
-        if not name.endswith(".weight_scale_inv") or out.dtype[name] != "F32":
+        if not name.endswith("_scale_inv") or out.dtype[name] != "F32":
             continue
         weight = name.removesuffix("_scale_inv")
         tgt = _OUT_DTYPES.get(out.dtype.get(weight, ""))
@@ -210,7 +210,7 @@ def compare_checkpoints(
         if expected is not None and tgt is not expected:
             raise ValueError(f"{weight} in {out.file[weight].name} is {tgt.safetensors_dtype}, not target {expected.value}")
         seen_target = tgt
-        error = tensor_error(src.load(weight), src.load(src_scale), out.load(weight), out.load(name), tgt)
+        error = tensor_error(*src.load_mx(weight, src_scale), out.load(weight), out.load(name), tgt)
         rows.append(TensorRow(weight, out.shape[weight], error))
     if not rows or seen_target is None:
         raise ValueError(f"no converted MXFP8 weight found in {out_dir} (compared with {src_dir})")
@@ -227,7 +227,7 @@ def compare_modes_checkpoint(src_dir: str | Path, target: Target | str = Target.
     target = Target(target)
     rows: dict[str, list[TensorRow]] = {mode.value: [] for mode in ScaleMode}
     for weight, scale in src.mx_pairs():
-        for mode, error in compare_modes(src.load(weight), src.load(scale), target).items():
+        for mode, error in compare_modes(*src.load_mx(weight, scale), target).items():
             rows[mode].append(TensorRow(weight, src.shape[weight], error))
     if not rows[ScaleMode.EXACT.value]:
         raise ValueError(f"no MXFP8 weight (X.weight with an E8M0 X.weight_scale[_inv]) in {src_dir}")
@@ -267,22 +267,26 @@ class _Checkpoint:
             return f.get_tensor(name)
 
     def mx_scale(self, weight: str) -> str | None:
-        """The E8M0 scale of ``weight`` (``X.weight``, float8_e4m3fn or uint8 codes), if it has one."""
+        """The E8M0 scale of ``weight`` (float8_e4m3fn or uint8 codes), if it has one."""
         if self.dtype.get(weight) not in ("F8_E4M3", "U8"):
             return None
-        base = weight.removesuffix(".weight")
         for suffix in _SCALE_SUFFIXES:
-            scale = f"{base}.{suffix}"
-            if self.dtype.get(scale) in _E8M0_DTYPES:
-                return scale
+            if self.dtype.get(weight + suffix) in _E8M0_DTYPES:
+                return weight + suffix
         return None
 
     def mx_pairs(self) -> Iterator[tuple[str, str]]:
         """(weight, scale) names of every MXFP8 pair, in natural order."""
         for name in self.names():
-            scale = self.mx_scale(name) if name.endswith(".weight") else None
+            scale = self.mx_scale(name) if not name.endswith(_SCALE_SUFFIXES) else None
             if scale is not None:
                 yield name, scale
+
+    def load_mx(self, weight: str, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and per-row E8M0 scales (Quark's Rx32 block scales repeated over their R rows)."""
+        codes, scales = self.load(weight), self.load(scale)
+        n, rows = codes.shape[-2], scales.shape[-2]
+        return codes, expand_row_blocks(scales, n, infer_row_block(n, rows) or 1)
 
 
 def _transformd_record(ckpt: Path) -> dict:
