@@ -60,13 +60,13 @@ def test_files_and_configs(sample: Path):
     )
     config = json.loads((sample / "config.json").read_text())
     for key, value in {
-        "hidden_size": 320,
-        "moe_intermediate_size": 224,
+        "hidden_size": 256,
+        "moe_intermediate_size": 128,
         "num_experts": 4,
         "num_hidden_layers": 2,
-        "num_attention_heads": 5,
+        "num_attention_heads": 2,
         "num_key_value_heads": 1,
-        "head_dim": 64,
+        "head_dim": 128,
         "vocab_size": 512,
         "swiglu_alpha": 1.702,
         "swiglu_beta": 1.0,
@@ -93,29 +93,29 @@ def test_index_matches_shards(sample: Path):
 def test_names_dtypes_shapes(sample: Path):
     tensors = _tensors(sample)
     expected = {
-        "model.embed_tokens.weight": (SHARD_1, "BF16", [512, 320]),
-        "model.norm.weight": (SHARD_1, "BF16", [320]),
-        "lm_head.weight": (SHARD_1, "BF16", [512, 320]),
+        "model.embed_tokens.weight": (SHARD_1, "BF16", [512, 256]),
+        "model.norm.weight": (SHARD_1, "BF16", [256]),
+        "lm_head.weight": (SHARD_1, "BF16", [512, 256]),
     }
     for layer in range(2):
         p = f"model.layers.{layer}"
-        for norm, n in (("input_layernorm", 320), ("post_attention_layernorm", 320)):
+        for norm, n in (("input_layernorm", 256), ("post_attention_layernorm", 256)):
             expected[f"{p}.{norm}.weight"] = (SHARD_2, "BF16", [n])
         for norm in ("q_norm", "k_norm"):
-            expected[f"{p}.self_attn.{norm}.weight"] = (SHARD_2, "BF16", [64])
-        expected[f"{p}.mlp.gate.weight"] = (SHARD_2, "BF16", [4, 320])
+            expected[f"{p}.self_attn.{norm}.weight"] = (SHARD_2, "BF16", [128])
+        expected[f"{p}.mlp.gate.weight"] = (SHARD_2, "BF16", [4, 256])
         expected[f"{p}.self_attn.k_proj.k_scale"] = (SHARD_2, "F32", [])
         expected[f"{p}.self_attn.v_proj.v_scale"] = (SHARD_2, "F32", [])
-        mx = {f"{p}.self_attn.{x}_proj": [320 if x in "qo" else 64, 320] for x in "qkvo"}
+        mx = {f"{p}.self_attn.{x}_proj": [256 if x in "qo" else 128, 256] for x in "qkvo"}
         for e in range(4):
-            mx |= {f"{p}.mlp.experts.{e}.{x}_proj": [224, 320] for x in ("gate", "up")}
-            mx[f"{p}.mlp.experts.{e}.down_proj"] = [320, 224]
+            mx |= {f"{p}.mlp.experts.{e}.{x}_proj": [128, 256] for x in ("gate", "up")}
+            mx[f"{p}.mlp.experts.{e}.down_proj"] = [256, 128]
         for module, shape in mx.items():
             expected[f"{module}.weight"] = (SHARD_2, "F8_E4M3", shape)
             expected[f"{module}.weight_scale"] = (SHARD_2, "U8", [shape[0], shape[1] // 32])
     assert tensors == expected
-    # Partial 128x128 tiles everywhere: no MXFP8 weight has both dimensions multiples of 128.
-    assert all(s[0] % 128 or s[1] % 128 for _, dt, s in tensors.values() if dt == "F8_E4M3")
+    # Whole 128x128 tiles everywhere, as engines need (tests that want partial tiles pass other sizes).
+    assert all(s[0] % 128 == 0 and s[1] % 128 == 0 for _, dt, s in tensors.values() if dt == "F8_E4M3")
 
 
 def test_one_shard_has_no_mxfp8_tensor(sample: Path):
@@ -155,18 +155,18 @@ def test_weight_scale_inv_suffix(tmp_path: Path):
     ckpt = write_sample_checkpoint(tmp_path / "s", layers=1, experts=2, scale_suffix="weight_scale_inv")
     tensors = _tensors(ckpt)
     assert not any(n.endswith(".weight_scale") for n in tensors)
-    assert tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"][1:] == ("U8", [320, 10])
-    assert tensors["model.layers.0.mlp.experts.1.down_proj.weight_scale_inv"][1:] == ("U8", [320, 7])
+    assert tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"][1:] == ("U8", [256, 8])
+    assert tensors["model.layers.0.mlp.experts.1.down_proj.weight_scale_inv"][1:] == ("U8", [256, 4])
 
 
 def test_fused_experts(tmp_path: Path):
     ckpt = write_sample_checkpoint(tmp_path / "s", layers=1, experts=3, fused_experts=True)
     tensors = _tensors(ckpt)
     p = "model.layers.0.mlp.experts"
-    assert tensors[f"{p}.gate_up_proj.weight"][1:] == ("F8_E4M3", [3, 448, 320])
-    assert tensors[f"{p}.gate_up_proj.weight_scale"][1:] == ("U8", [3, 448, 10])
-    assert tensors[f"{p}.down_proj.weight"][1:] == ("F8_E4M3", [3, 320, 224])
-    assert tensors[f"{p}.down_proj.weight_scale"][1:] == ("U8", [3, 320, 7])
+    assert tensors[f"{p}.gate_up_proj.weight"][1:] == ("F8_E4M3", [3, 256, 256])
+    assert tensors[f"{p}.gate_up_proj.weight_scale"][1:] == ("U8", [3, 256, 8])
+    assert tensors[f"{p}.down_proj.weight"][1:] == ("F8_E4M3", [3, 256, 128])
+    assert tensors[f"{p}.down_proj.weight_scale"][1:] == ("U8", [3, 256, 4])
     assert not any(".experts.0." in n for n in tensors)
     # Experts differ from each other.
     codes = _load(ckpt, tensors[f"{p}.down_proj.weight"][0], f"{p}.down_proj.weight").view(torch.uint8)

@@ -81,6 +81,7 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 import torch
 
 from .convert import convert_weight, resolve_device
+from .engines import CHECKED_ENGINES, Engine, EngineReadiness, readiness
 from .formats import (
     FORMAT_VERSION,
     MX_BLOCK,
@@ -113,8 +114,11 @@ __all__ = [
     "Progress",
     "ShardOrder",
     "ShardPlan",
+    "check_engine",
     "convert_checkpoint",
     "plan_conversion",
+    "plan_readiness",
+    "readiness_of_dir",
 ]
 
 CONFIG_NAME = "config.json"
@@ -234,6 +238,8 @@ class ConversionResult:
     device: str
     #: Peak bytes of the host buffers between the pipeline's stages (see ``host_memory_bytes``).
     host_buffer_bytes: int = 0
+    #: Per engine, the TP sizes at which it loads the output right, and why not at others (:func:`plan_readiness`).
+    readiness: dict[str, EngineReadiness] = field(default_factory=dict)
 
 
 def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -> ConversionPlan:
@@ -290,6 +296,32 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
         other_files=tuple(f for f in other_files if f not in left_out),
         left_out=tuple(left_out),
     )
+
+
+def plan_readiness(plan: ConversionPlan, target: Target | str) -> dict[str, EngineReadiness]:
+    """Engine readiness of the output ``plan`` will write (from shapes and config alone; nothing is read)."""
+    target = Target(target)
+    specs = [spec for shard in plan.shards for spec in _output_specs(target, shard)]
+    return readiness({**plan.config, "quantization_config": {"transformd": {"target": target.value}}}, specs)
+
+
+def readiness_of_dir(path: str | os.PathLike[str]) -> dict[str, EngineReadiness]:
+    """Engine readiness of a block-FP8 checkpoint directory, from its config.json and shard headers."""
+    path = Path(path)
+    config = _load_json(path / CONFIG_NAME, required=True)
+    _, shard_names = _shard_layout(path)
+    specs = [(t.name, t.dtype, t.shape) for name in shard_names for t in read_header(path / name).tensors.values()]
+    return readiness(config, specs)
+
+
+def check_engine(report: dict[str, EngineReadiness], engine: Engine | str | None, src: Path) -> None:
+    """Refuse a conversion that the named engine could not load at any TP size (``raw``/None: no check)."""
+    if engine is None or Engine(engine) not in CHECKED_ENGINES:
+        return
+    r = report[Engine(engine).value]
+    if not r.loads:
+        problems = "; ".join(r.problems[:3]) + (f"; and {len(r.problems) - 3} more" if len(r.problems) > 3 else "")
+        raise CheckpointError(f"{r.engine} could not load the converted checkpoint at any TP size: {problems}", file=src)
 
 
 def _compile_select(select: str | None) -> re.Pattern[str] | None:
@@ -582,8 +614,13 @@ def convert_checkpoint(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES,
     shard_order: ShardOrder | None = None,
+    engine: Engine | str | None = None,
 ) -> ConversionResult:
     """Convert the MXFP8 checkpoint directory ``src`` into a block-FP8 checkpoint directory ``out``.
+
+    ``engine`` (vllm, sglang, transformers): refuse, before anything is written, a checkpoint that engine
+    could not load at any tensor-parallel size (see :mod:`transformd.engines`); the result's ``readiness``
+    reports every engine either way.
 
     Refuses a non-empty ``out`` unless ``overwrite``. Everything is written to a
     staging directory next to ``out`` and renamed into place at the end; on any
@@ -613,6 +650,8 @@ def convert_checkpoint(
     _remove_leftovers(out)
     _check_out(src, out, overwrite)
     plan = plan_conversion(src, select=select)
+    report = plan_readiness(plan, target)
+    check_engine(report, engine, src)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging, staging_lock = _make_staging(out)
     run = _Run(
@@ -641,6 +680,7 @@ def convert_checkpoint(
         scale_mode=scale_mode.value,
         device=",".join(str(d) for d in devices),
         host_buffer_bytes=run.tally.buffers_peak,
+        readiness=report,
     )
 
 

@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from .formats import MxFormatError, ScaleMode, Target
+from .engines import TARGET_CHOICES, Engine
+from .formats import MxFormatError, ScaleMode
 from .safetensors_io import CheckpointError
 
 __all__ = ["EXTENSION_MODULES", "add_commands", "build_parser", "main"]
@@ -70,8 +71,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                               "the cache and a second call for the same checkpoint returns at once")
     convert.add_argument("--cache-dir", metavar="DIR", type=Path,
                          help="cache root (default: $TRANSFORMD_CACHE_DIR, else ~/.cache/transformd)")
-    convert.add_argument("--target", choices=[t.value for t in Target], default=Target.FNUZ.value,
-                         help="fnuz: float8_e4m3fnuz for MI300-class GPUs (default); ocp: float8_e4m3fn")
+    add_target_arguments(convert)
     convert.add_argument("--scale-mode", choices=[m.value for m in ScaleMode], default=ScaleMode.EXACT.value,
                          help="exact: power-of-two tile scales, lossless for normal values (default); "
                               "amax: amax/448, parity with vLLM's in-engine conversion")
@@ -101,11 +101,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
     inspect = subparsers.add_parser(
         "inspect",
-        help="report the reconstruction error of a conversion",
-        description="Compare the MXFP8 checkpoint SRC with its conversion OUT; print the error table, then OUT.",
+        help="engine readiness of a block-FP8 checkpoint, or the reconstruction error of a conversion",
+        description="With one directory: which engines (vLLM, SGLang, transformers) load this block-FP8 checkpoint, at "
+                    "which tensor-parallel sizes, and why not at others (exit 2 when none loads it). With two: "
+                    "compare the MXFP8 checkpoint SRC with its conversion OUT; print the error table, then OUT.",
     )
-    inspect.add_argument("src", metavar="SRC", type=Path)
-    inspect.add_argument("out", metavar="OUT", type=Path)
+    inspect.add_argument("src", metavar="SRC", type=Path, help="a block-FP8 checkpoint, or the MXFP8 source of OUT")
+    inspect.add_argument("out", metavar="OUT", type=Path, nargs="?", help="the conversion of SRC")
     inspect.set_defaults(handler=_run_inspect)
 
     demo = subparsers.add_parser(
@@ -150,6 +152,45 @@ def _fail(err: BaseException | str, code: int, stream: TextIO | None = None) -> 
     return code
 
 
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--target`` and ``--engine``, shared by ``convert`` and ``resolve``."""
+    parser.add_argument(
+        "--target", choices=TARGET_CHOICES, default="auto",
+        help="auto (default): ocp for vllm/sglang/transformers; for raw consumers fnuz on gfx94x, else ocp; nothing "
+             "converted on GPUs with native MX (gfx950, NVIDIA 10.x+). fnuz: float8_e4m3fnuz (MI300-class kernels); "
+             "ocp: float8_e4m3fn",
+    )
+    parser.add_argument(
+        "--engine", choices=[e.value for e in Engine], default=None,
+        help="who loads the output: picks the target for auto, and refuses a checkpoint that engine could not load "
+             "at any tensor-parallel size (without it: a warning); raw = transformd.loader or your own kernels",
+    )
+
+
+def _choose_target(args: argparse.Namespace) -> str | None:
+    """The concrete target for ``args`` (None: serve the source unconverted), said on standard error for auto."""
+    from .engines import choose_target, detect_platform
+
+    target, why = choose_target(args.target, args.engine, detect_platform() if args.target == "auto" else None)
+    if args.target == "auto":
+        print(f"transformd: target {target or 'none'}: {why}", file=sys.stderr)
+    return target
+
+
+def _print_readiness(report: dict, engine: str | None) -> None:
+    """Engine readiness on standard error: one line per engine; problems of engines that do not load."""
+    from .engines import readiness_summary
+
+    for line in readiness_summary(report):
+        print(f"transformd: {line}", file=sys.stderr)
+    for name, r in report.items():
+        if not r.loads and engine is None:
+            print(f"transformd: warning: {name} could not load this checkpoint (pass --engine to refuse)",
+                  file=sys.stderr)
+        for warning in r.warnings if engine in (None, name) else ():
+            print(f"transformd: warning: {warning}", file=sys.stderr)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -162,42 +203,52 @@ def _positive_int(text: str) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    target = _choose_target(args)
+    if target is None:  # native MX: the source is what the engine should load
+        print(args.src)
+        return EXIT_OK
     if args.out is None:
-        return _run_convert_cached(args)
+        return _run_convert_cached(args, target)
     from .checkpoint import convert_checkpoint
 
     with _ProgressBar() as bar:
         result = convert_checkpoint(
             args.src,
             args.out,
-            target=args.target,
+            target=target,
             scale_mode=args.scale_mode,
             select=args.select,
             device=args.device,
             overwrite=args.overwrite,
             progress=bar.update,
+            engine=args.engine,
         )
+    _print_readiness(result.readiness, args.engine)
     if result.left_out:
         print(f"transformd: note: not referenced by the index, not carried over: {', '.join(result.left_out)}",
               file=sys.stderr)
     if args.report:
         from .report import compare_checkpoints
 
-        print(compare_checkpoints(args.src, result.out).format_table())
-    print(result.out)
+        print(compare_checkpoints(args.src, args.out).format_table())
+    print(args.out)
     return EXIT_OK
 
 
-def _run_convert_cached(args: argparse.Namespace) -> int:
+def _run_convert_cached(args: argparse.Namespace, target: str) -> int:
     from .cache import Cache, Recipe
+    from .checkpoint import check_engine, plan_conversion, plan_readiness
 
     if args.overwrite:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
+    report = plan_readiness(plan_conversion(args.src, select=args.select), target)  # headers only
+    check_engine(report, args.engine, args.src)
     cache = Cache(args.cache_dir, device=args.device)
     with _ProgressBar() as bar:
         entry = cache.get_or_convert(
-            args.src, Recipe(target=args.target, scale_mode=args.scale_mode, select=args.select), progress=bar.update
+            args.src, Recipe(target=target, scale_mode=args.scale_mode, select=args.select), progress=bar.update
         )
+    _print_readiness(report, args.engine)
     if args.report:
         from .report import compare_checkpoints
 
@@ -230,6 +281,16 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+    if args.out is None:
+        from .checkpoint import readiness_of_dir
+
+        report = readiness_of_dir(args.src)
+        for name, r in report.items():
+            print(f"{name}: " + (f"loads at TP {','.join(map(str, r.loads_at))}" if r.loads else "does not load"))
+            for line in [*r.problems, *(f"warning: {w}" for w in r.warnings)]:
+                print(f"  {line}")
+        print(args.src)
+        return EXIT_OK if any(r.loads for r in report.values()) else EXIT_BAD_INPUT
     from .report import compare_checkpoints
 
     print(compare_checkpoints(args.src, args.out).format_table())

@@ -16,10 +16,13 @@ with ``quant_algo: MXFP8``, ``group_size: 32``; ``config.json`` with
 * float32 scalars ``k_proj.k_scale`` / ``v_proj.v_scale`` (ModelOpt's FP8 KV
   cache scales), which are not weight scales and must be carried over as is.
 
-The default shapes (hidden 320, MoE intermediate 224, q ``[320, 320]``, k/v
-``[64, 320]``) are multiples of 32 but not of 128, so every tensor has partial
-128x128 tiles. Shard 1 holds only BF16 tensors (embeddings, final norm,
-lm_head), so a converter's "carry the shard over unchanged" path is exercised.
+The default shapes (hidden 256, MoE intermediate 128, q ``[256, 256]``, k/v
+``[128, 256]``) are multiples of 128, as block FP8 in vLLM, SGLang and
+transformers needs for every merged sub-matrix (so the converted sample loads in
+all three at tensor-parallel size 1); tests that need partial 128x128 tiles pass
+other sizes (any multiple of 32 works). Shard 1 holds only BF16 tensors
+(embeddings, final norm, lm_head), so a converter's "carry the shard over
+unchanged" path is exercised.
 
 Values are drawn like real weights (normal, log-normal per-row spread, a few
 outliers, rounded to BF16) and quantized the way MX quantizers do
@@ -98,9 +101,9 @@ def write_sample_checkpoint(
     scale_suffix: str = "weight_scale",
     fused_experts: bool = False,
     shards: int = 2,
-    hidden: int = 320,
-    moe_intermediate: int = 224,
-    head_dim: int = 64,
+    hidden: int = 256,
+    moe_intermediate: int = 128,
+    head_dim: int = 128,
     kv_heads: int = 1,
     vocab: int = 512,
 ) -> Path:

@@ -8,11 +8,13 @@ service's threads. See :mod:`transformd.api` for the endpoints and :mod:`.errors
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import anyio.to_thread
@@ -23,6 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from ..cache import Cache, EntryLeasedError, EntryNotFoundError, Recipe, cache_key
 from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
+from ..checkpoint import readiness_of_dir
+from ..engines import Platform, choose_target, detect_platform
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
 from .metrics import CONTENT_TYPE, Metrics
@@ -42,7 +46,7 @@ from .schemas import (
 from .service import ConversionService
 from .settings import Settings
 from .shards import TransformdShardConverter
-from .views import entry_view, foreign_view, job_file, job_files, job_view
+from .views import entry_view, foreign_view, job_file, job_files, job_view, passthrough_view
 
 log = logging.getLogger("transformd.api")
 
@@ -65,7 +69,20 @@ class Daemon:
     metrics: Metrics
     policy: SourcePolicy
     device: str
+    platform: Platform
     gauges_at: float = 0.0
+    #: Engine readiness of published entries, by key (entries never change once published).
+    readiness: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def entry_readiness(self, key: str, path: Path) -> dict[str, Any]:
+        """Blocking: readiness of a published entry (from its config and headers), remembered per key."""
+        found = self.readiness.get(key)
+        if found is None:
+            found = {name: r.as_dict() for name, r in readiness_of_dir(path).items()}
+            if len(self.readiness) > 4096:
+                self.readiness.clear()
+            self.readiness[key] = found
+        return found
 
     def refresh_gauges(self) -> None:
         """Blocking: scan the entries for the size gauges."""
@@ -129,8 +146,15 @@ async def _thread(func: Any, *args: Any, **kwargs: Any) -> Any:
         raise error_for_exception(exc) from exc
 
 
-def create_app(settings: Settings | None = None, *, converter: Any = None, cache: Cache | None = None) -> FastAPI:
-    """The daemon's ASGI app. ``converter``: a cache converter (default :class:`TransformdShardConverter`)."""
+def create_app(
+    settings: Settings | None = None,
+    *,
+    converter: Any = None,
+    cache: Cache | None = None,
+    platform: Platform | None = None,
+) -> FastAPI:
+    """The daemon's ASGI app. ``converter``: a cache converter (default :class:`TransformdShardConverter`);
+    ``platform``: the GPU that target ``auto`` decides for (default: detected)."""
     from .. import __version__
 
     settings = settings or Settings()
@@ -164,7 +188,7 @@ def create_app(settings: Settings | None = None, *, converter: Any = None, cache
         max_queued=settings.max_queued_conversions,
         on_change=on_change,
     )
-    daemon = Daemon(settings, cache, service, entries, metrics, policy, settings.device)
+    daemon = Daemon(settings, cache, service, entries, metrics, policy, settings.device, platform or detect_platform())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -222,6 +246,28 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _plan_readiness(source: Path, select: str | None, target: str) -> dict[str, Any]:
+    """Blocking: readiness of the output a conversion of ``source`` would write (headers only)."""
+    from ..checkpoint import plan_conversion, plan_readiness
+
+    try:
+        return {name: r.as_dict() for name, r in plan_readiness(plan_conversion(source, select=select), target).items()}
+    except Exception as e:
+        raise error_for_exception(e) from e
+
+
+def _check_engine(report: dict[str, Any], engine: str | None) -> None:
+    """422 when ``engine`` could not load the checkpoint at any tensor-parallel size."""
+    r = report.get(engine) if engine is not None else None
+    if r is not None and not r["loads_at"]:
+        raise ApiError(
+            422,
+            "engine_cannot_load",
+            f"{engine} could not load the converted checkpoint at any tensor-parallel size: "
+            + "; ".join(r["problems"][:3]),
+        )
+
+
 def _routes(app: FastAPI, d: Daemon) -> None:
     cache, service, entries, metrics = d.cache, d.service, d.entries, d.metrics
 
@@ -237,8 +283,12 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         tags=["checkpoints"],
     )
     async def post_checkpoint(body: CheckpointRequest) -> Response:
-        recipe = Recipe(target=body.target, scale_mode=body.scale_mode, select=body.select)
+        target, why = choose_target(body.target, body.engine, d.platform)
         source = d.policy.check_syntax(body.source)
+        if target is None:  # native MX: the engine loads the source itself
+            real = await _thread(d.policy.resolve, source)
+            return _json(passthrough_view(str(real), why))
+        recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
         ident = await service.identify(source)
         key = cache_key(ident, recipe)
         job = service.job(key)
@@ -250,14 +300,22 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             info = await _thread(entries.info, key, touch=True)
             if info is not None:
                 metrics.cache_hits.inc()
-                return _json(entry_view(info, job))
+                return await _ready(info, job, why, body.engine)
         metrics.cache_misses.inc()
+        if body.engine is not None and (job is None or not job.active):
+            report = await _thread(_plan_readiness, ident.path, body.select, target)
+            _check_engine(report, body.engine)
         job = await service.ensure_job(key, ident.path, recipe)
         if job.state == "ready":
             info = await _thread(entries.info, key)
             if info is not None:
-                return _json(entry_view(info, job))
-        return _accepted(job_view(job))
+                return await _ready(info, job, why, body.engine)
+        return _accepted({**job_view(job), "target_reason": why})
+
+    async def _ready(info: Any, job: Any, why: str | None, engine: str | None) -> Response:
+        report = await _thread(d.entry_readiness, info.key, info.path)
+        _check_engine(report, engine)
+        return _json({**entry_view(info, job), "target_reason": why, "readiness": report})
 
     @app.get(
         "/v1/checkpoints/{key}",
@@ -273,7 +331,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             return _json(job_view(job))
         info = await _thread(entries.info, key)
         if info is not None:
-            return _json(entry_view(info, job))
+            return _json({**entry_view(info, job), "readiness": await _thread(d.entry_readiness, info.key, info.path)})
         if job is not None and job.state == "failed":
             return _json(job_view(job))
         status = await _thread(cache.status, key)
@@ -448,6 +506,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             "version": __version__,
             "cache_root": str(cache.root),
             "device": d.device,
+            "platform": d.platform.as_dict(),
             "problems": problems,
         }
         return _json(body, 503 if problems else 200)

@@ -458,10 +458,11 @@ class TransformdClient:
         self,
         source: str | os.PathLike[str],
         *,
-        target: str = "fnuz",
+        target: str = "auto",
         scale_mode: str = "exact",
         select: str | None = None,
         wait_s: float | None = None,
+        engine: str | None = None,
     ) -> CheckpointStatus:
         """``POST /v1/checkpoints`` once: the entry when cached (state ``ready``), else its queued/converting state.
 
@@ -472,6 +473,9 @@ class TransformdClient:
         seen for the first time means reading it (minutes for hundreds of GB): the answer is waited
         for ``wait_s`` seconds (``None``: as long as it takes; connecting is still bounded by the
         client's ``timeout``).
+
+        ``target`` ``auto`` lets the daemon choose for ``engine`` (vllm, sglang, transformers, raw) and its GPU; on
+        a GPU with native MX instructions the answer is the source itself (``key`` ``passthrough``).
         """
         body = {
             "source": os.path.abspath(os.fspath(source)),
@@ -479,6 +483,8 @@ class TransformdClient:
             "scale_mode": str(getattr(scale_mode, "value", scale_mode)),
             "select": select,
         }
+        if engine is not None:
+            body["engine"] = str(getattr(engine, "value", engine))
         limit = httpx.Timeout(wait_s, connect=self.timeout)
         response = self._request("POST", f"{_API}/checkpoints", json=body, ok=(200, 201, 202), timeout=limit)
         status = CheckpointStatus.from_json(self._json(response))
@@ -489,9 +495,10 @@ class TransformdClient:
         self,
         source: str | os.PathLike[str],
         *,
-        target: str = "fnuz",
+        target: str = "auto",
         scale_mode: str = "exact",
         select: str | None = None,
+        engine: str | None = None,
         progress: Callable[[CheckpointStatus], None] | None = None,
         poll_interval: float = 0.5,
         timeout: float | None = None,
@@ -522,7 +529,7 @@ class TransformdClient:
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def submit() -> CheckpointStatus:
-            return self._submit_when_accepted(source, target, scale_mode, select, deadline)
+            return self._submit_when_accepted(source, target, scale_mode, select, engine, deadline)
 
         status = submit()
         key = status.key
@@ -582,7 +589,7 @@ class TransformdClient:
                 status = None
 
     def _submit_when_accepted(
-        self, source: str | os.PathLike[str], target: str, scale_mode: str, select: str | None,
+        self, source: str | os.PathLike[str], target: str, scale_mode: str, select: str | None, engine: str | None,
         deadline: float | None,
     ) -> CheckpointStatus:
         """:meth:`submit`, retried while the daemon answers 503 (its conversion queue is full) until ``deadline``."""
@@ -590,7 +597,9 @@ class TransformdClient:
         while True:
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             try:
-                return self.submit(source, target=target, scale_mode=scale_mode, select=select, wait_s=left)
+                return self.submit(
+                    source, target=target, scale_mode=scale_mode, select=select, wait_s=left, engine=engine
+                )
             except DaemonUnavailableError as err:
                 if deadline is not None and time.monotonic() >= deadline - 0.01:
                     raise ResolveTimeoutError(

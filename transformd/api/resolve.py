@@ -4,7 +4,7 @@
 progress on standard error while it waits, and prints the converted directory as the only line
 of standard output, so an engine starts with::
 
-    vllm serve "$(transformd resolve /models/X --target ocp)"
+    vllm serve "$(transformd resolve /models/X --engine vllm)"
 
 Progress: a tqdm bar when standard error is a terminal, else one line every few seconds (and on
 every change of state), so container logs show how far a long conversion is.
@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from ..engines import TARGET_CHOICES, Engine
 from .client import (
     DEFAULT_RECONNECT_S,
     ENV_SOCKET,
@@ -42,7 +43,8 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 
-TARGETS = ("fnuz", "ocp")
+TARGETS = TARGET_CHOICES
+ENGINES = tuple(e.value for e in Engine)
 SCALE_MODES = ("exact", "amax")
 
 
@@ -66,13 +68,18 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         description="Ask the transformd daemon for the block-FP8 conversion of the MXFP8 checkpoint SRC "
                     "(converting it now, or from the cache), show progress on standard error while waiting, "
                     "and print the converted directory as the only line of standard output: "
-                    'vllm serve "$(transformd resolve /models/X --target ocp)".',
+                    'vllm serve "$(transformd resolve /models/X --engine vllm)".',
     )
     resolve.add_argument("src", metavar="SRC", help="MXFP8 checkpoint directory, as the daemon sees it")
-    resolve.add_argument("--target", choices=TARGETS, default="fnuz",
-                         help="fnuz: float8_e4m3fnuz weights for kernels that take FNUZ directly (default); "
-                              "ocp: float8_e4m3fn, for engines that normalize to FNUZ themselves (vLLM, SGLang) "
-                              "and for NVIDIA Hopper")
+    resolve.add_argument("--target", choices=TARGETS, default="auto",
+                         help="auto (default): the daemon picks for --engine and its GPU (ocp for vllm, sglang, "
+                              "transformers; for raw consumers fnuz on gfx94x, else ocp; the MXFP8 source itself on "
+                              "GPUs with native MX); fnuz: float8_e4m3fnuz for kernels that take FNUZ directly; "
+                              "ocp: float8_e4m3fn")
+    resolve.add_argument("--engine", choices=ENGINES, default=None,
+                         help="who loads the output (vllm, sglang, transformers, raw): picks the target for auto, "
+                              "and the daemon refuses (exit 2) a checkpoint that engine could not load at any "
+                              "tensor-parallel size")
     resolve.add_argument("--scale-mode", choices=SCALE_MODES, default="exact",
                          help="exact: power-of-two tile scales (default); amax: amax/448")
     resolve.add_argument("--select", metavar="REGEX", help="convert only weights whose name matches")
@@ -119,6 +126,7 @@ def run_resolve(args: argparse.Namespace) -> int:
             path = client.resolve(
                 args.src,
                 target=args.target,
+                engine=args.engine,
                 scale_mode=args.scale_mode,
                 select=args.select,
                 progress=reporter.update,

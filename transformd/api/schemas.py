@@ -31,7 +31,17 @@ class CheckpointRequest(BaseModel):
         # documented here, checked by the app (paths.SourcePolicy.check_syntax) with a message naming the problem
         json_schema_extra={"minLength": 1, "maxLength": MAX_SOURCE_CHARS, "pattern": "^/[^\\u0000]*$"},
     )
-    target: Literal["fnuz", "ocp"] = Field("fnuz", description="fnuz: e4m3fnuz (gfx94x); ocp: e4m3fn")
+    target: Literal["auto", "fnuz", "ocp"] = Field(
+        "auto",
+        description="auto: chosen for engine and this node's GPU (ocp for vllm/sglang/transformers; for raw "
+        "consumers fnuz on gfx94x, else ocp; the MXFP8 source itself on GPUs with native MX); fnuz: e4m3fnuz "
+        "(gfx94x); ocp: e4m3fn",
+    )
+    engine: Literal["vllm", "sglang", "transformers", "raw"] | None = Field(
+        None,
+        description="who loads the output: picks the target for auto, and a checkpoint that engine could not "
+        "load at any tensor-parallel size is refused (422 engine_cannot_load)",
+    )
     scale_mode: Literal["exact", "amax"] = Field("exact", description="exact: power-of-two tile scales; amax: /448")
     select: str | None = Field(
         None,
@@ -100,6 +110,12 @@ class CheckpointInfo(BaseModel):
     progress: ProgressModel | None = None
     error: ErrorBody | None = Field(None, description="why it failed (failed only)")
     timings: dict[str, float] | None = Field(None, description="seconds per phase of the conversion (ready only)")
+    target_reason: str | None = Field(None, description="why this target (or no conversion) was chosen")
+    readiness: dict[str, dict] | None = Field(
+        None,
+        description="per engine (vllm, sglang, transformers): loads_at (tensor-parallel sizes), problems, warnings "
+        "(ready only)",
+    )
 
 
 class TensorModel(BaseModel):
@@ -172,4 +188,5 @@ class HealthModel(BaseModel):
     version: str
     cache_root: str
     device: str
+    platform: dict | None = Field(None, description="the GPU target auto decides for: vendor, arch, fnuz, mx_native")
     problems: list[str] = Field(default_factory=list)

@@ -54,6 +54,13 @@ def entry_view(info: EntryInfo, job: Job | None = None) -> dict[str, Any]:
     return out
 
 
+def passthrough_view(source: str, why: str) -> dict[str, Any]:
+    """Target auto on a GPU with native MX instructions: the source itself is the answer (nothing converted)."""
+    out = _base("passthrough", "ready")
+    out.update(path=source, source=source, target_reason=why, progress=ProgressInfo("done").as_dict())
+    return out
+
+
 def job_view(job: Job) -> dict[str, Any]:
     """A job of this daemon: queued, converting or failed (a ready job is shown through its entry)."""
     out = _base(job.key, job.state)

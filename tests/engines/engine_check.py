@@ -1,0 +1,979 @@
+#!/usr/bin/env python3
+"""Opt-in ENGINE CHECK: run vLLM's / SGLang's own code on a converted block-FP8 checkpoint.
+
+NOT part of the test suite and never run in CI (the file name does not start with
+``test_``; it needs a virtual environment with the engine installed, see README.md here).
+
+    python tests/engines/engine_check.py --engine vllm|sglang OUT_DIR [--tp 1 2 4 8]
+
+What it checks, with the engine's own code (only GPU kernels are stubbed):
+
+a. config.json's ``quantization_config`` through the engine's quantization-config machinery
+   (vLLM: EngineArgs -> ModelConfig._verify_quantization -> get_quant_config -> Fp8Config;
+   SGLang: ModelConfig quant detection -> Fp8Config.from_config), and what a leftover
+   ``hf_quant_config.json`` does to that detection.
+b. every linear module of the checkpoint (``X.weight`` 2-D/3-D, fused ``experts.gate_up_proj``):
+   does the engine treat it as FP8 or unquantized (its own get_quant_method /
+   is_layer_skipped with the model's packed/fused mapping), and does that match the tensor
+   (FP8 weight + float32 ``weight_scale_inv`` -> FP8; BF16/F16/F32 -> unquantized)? Any
+   leftover MX tensor (U8/F8_E8M0 scale, a ``*_scale`` that is not F32) fails too.
+c. per TP size: the engine's block-shape validation for merged (qkv, gate_up), row-parallel
+   and MoE layers: which TP sizes load, and which load with misaligned scales.
+d. weight loading (vLLM): the real model class is instantiated on the CPU and its own
+   ``load_weights`` is fed the checkpoint; loaded FP8 bytes must equal the checkpoint bytes,
+   loaded scales must equal ``weight_scale_inv``, and the dequantized weight the engine will
+   use (per 128x128 tile of the *merged* parameter) must equal the checkpoint's. If the model
+   cannot be built, single layers (QKVParallelLinear, RowParallelLinear, FusedMoE) are used.
+e. a table and ``engine_check: N passed, M failed``; exit status 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import struct
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+BLOCK = 128
+FP8_OCP = "F8_E4M3"
+FP8_FNUZ = "F8_E4M3FNUZ"
+FLOAT_DTYPES = {"BF16", "F16", "F32"}
+MX_SCALE_DTYPES = {"U8", "F8_E8M0"}
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    section: str
+    name: str
+    klass: str
+    decision: str
+    expected: str
+    ok: bool | None  # None: informational
+    note: str = ""
+
+
+class Report:
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+        self.notes: list[str] = []
+
+    def add(self, section: str, name: str, klass: str, decision: str, expected: str, ok: bool | None,
+            note: str = "") -> None:
+        self.rows.append(Row(section, name, klass, decision, expected, ok, note))
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(f"note: {text}", flush=True)
+
+    @property
+    def passed(self) -> int:
+        return sum(1 for r in self.rows if r.ok is True)
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for r in self.rows if r.ok is False)
+
+    def print(self, out=sys.stdout, *, collapse: bool = True) -> None:
+        rows = _collapse(self.rows) if collapse else [(r, 1) for r in self.rows]
+        heads = ("section", "module", "class", "engine decision", "expected", "result")
+        table = []
+        for r, n in rows:
+            res = "OK" if r.ok else ("FAIL" if r.ok is False else "info")
+            name = r.name if n == 1 else f"{r.name}  (x{n})"
+            table.append((r.section, name, r.klass, r.decision, r.expected, res + (f"  {r.note}" if r.note else "")))
+        widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(heads)]
+        widths = [min(w, 60) for w in widths[:-1]] + [0]
+        line = "  ".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip()
+        print(line, file=out)
+        print("-" * len(line), file=out)
+        for t in table:
+            print("  ".join(str(c).ljust(w) for c, w in zip(t, widths)).rstrip(), file=out)
+
+
+def _collapse(rows: list[Row]) -> list[tuple[Row, int]]:
+    """Merge rows that differ only in layer/expert numbers (same outcome), so the table stays short."""
+    out: list[tuple[Row, int]] = []
+    index: dict[tuple, int] = {}
+    for r in rows:
+        key = (r.section, re.sub(r"\.\d+(?=\.|$)", ".N", r.name), r.klass, r.decision, r.expected, r.ok,
+               re.sub(r"\d+", "#", r.note))
+        if key in index:
+            i = index[key]
+            out[i] = (out[i][0], out[i][1] + 1)
+            if out[i][1] == 2:
+                first = out[i][0]
+                out[i] = (Row(first.section, re.sub(r"\.\d+(?=\.|$)", ".N", first.name), first.klass, first.decision,
+                              first.expected, first.ok, first.note), 2)
+        else:
+            index[key] = len(out)
+            out.append((r, 1))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoint (headers read without torch; tensors through safetensors when needed)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+
+
+class Checkpoint:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        cfg = self.path / "config.json"
+        if not cfg.is_file():
+            raise SystemExit(f"engine_check: {cfg} does not exist: OUT_DIR must be a converted checkpoint directory")
+        self.config: dict[str, Any] = json.loads(cfg.read_text())
+        hq = self.path / "hf_quant_config.json"
+        self.hf_quant_config: dict[str, Any] | None = json.loads(hq.read_text()) if hq.is_file() else None
+        self.tensors: dict[str, TensorInfo] = {}
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise SystemExit(f"engine_check: no *.safetensors in {self.path}")
+        for f in files:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                self.tensors[name] = TensorInfo(name, meta["dtype"], tuple(meta["shape"]), f)
+        self._open: dict[Path, Any] = {}
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(self.config.get("architectures") or [])
+
+    @property
+    def quant_config(self) -> dict[str, Any] | None:
+        return self.config.get("quantization_config")
+
+    def load(self, name: str):
+        """The tensor as torch stores it (F8_E4M3 -> float8_e4m3fn, ...)."""
+        from safetensors import safe_open
+
+        info = self.tensors[name]
+        if info.file not in self._open:
+            self._open[info.file] = safe_open(str(info.file), framework="pt")
+        return self._open[info.file].get_tensor(name)
+
+    def iter_weights(self) -> Iterator[tuple[str, Any]]:
+        for name in self.tensors:
+            yield name, self.load(name)
+
+
+@dataclass
+class CkModule:
+    """One linear weight of the checkpoint (a dense layer, one expert, or a 3-D expert stack)."""
+
+    name: str  # module name: "model.layers.0.self_attn.q_proj", or the fused tensor name
+    weight: TensorInfo
+    scale: TensorInfo | None
+    fused_experts: bool
+    expected: str  # "fp8" | "unquantized" | "invalid"
+    problem: str = ""
+
+    @property
+    def n(self) -> int:
+        return self.weight.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.weight.shape[-1]
+
+
+_FUSED_EXPERT = re.compile(r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj|w13_weight|w2_weight)$")
+
+
+def checkpoint_modules(ckpt: Checkpoint) -> list[CkModule]:
+    mods = []
+    for name, t in ckpt.tensors.items():
+        fused = False
+        if name.endswith(".weight") and len(t.shape) in (2, 3):
+            module = name[: -len(".weight")]
+            scale_names = [module + ".weight_scale_inv"]
+            mx_names = [module + ".weight_scale"]
+        elif len(t.shape) == 3 and _FUSED_EXPERT.search(name):
+            module, fused = name, True
+            scale_names = [name + "_scale_inv", name + ".weight_scale_inv"]
+            mx_names = [name + "_scale", name + ".weight_scale"]
+        else:
+            continue
+        scale = next((ckpt.tensors[s] for s in scale_names if s in ckpt.tensors), None)
+        mx_scale = next((ckpt.tensors[s] for s in mx_names if s in ckpt.tensors), None)
+        m = CkModule(module, t, scale, fused, "invalid")
+        if t.dtype in (FP8_OCP, FP8_FNUZ):
+            want = (*t.shape[:-2], math.ceil(t.shape[-2] / BLOCK), math.ceil(t.shape[-1] / BLOCK))
+            if scale is None:
+                m.problem = "FP8 weight without weight_scale_inv" + (f" (has MX scale {mx_scale.name} {mx_scale.dtype})" if mx_scale else "")
+            elif scale.dtype != "F32":
+                m.problem = f"{scale.name} is {scale.dtype}, not F32"
+            elif scale.shape != want:
+                m.problem = f"{scale.name} shape {list(scale.shape)} != {list(want)} (ceil(N/128), ceil(K/128))"
+            elif t.dtype == FP8_FNUZ:
+                m.problem = "weight is F8_E4M3FNUZ: vLLM/SGLang want e4m3fn (target ocp) and value-cast FNUZ codes"
+            else:
+                m.expected = "fp8"
+            if mx_scale is not None:
+                m.problem = (m.problem + "; " if m.problem else "") + f"MX scale {mx_scale.name} ({mx_scale.dtype}) still present"
+                m.expected = "invalid"
+        elif t.dtype in FLOAT_DTYPES:
+            if scale is not None or mx_scale is not None:
+                m.problem = f"{t.dtype} weight with a scale tensor ({(scale or mx_scale).name})"
+            else:
+                m.expected = "unquantized"
+        else:
+            m.problem = f"weight dtype {t.dtype}"
+        mods.append(m)
+    return sorted(mods, key=lambda m: _natural(m.name))
+
+
+def _natural(s: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+
+
+def check_leftovers(ckpt: Checkpoint, report: Report) -> None:
+    """No MX tensor may survive under an fp8 config."""
+    bad = []
+    for name, t in ckpt.tensors.items():
+        if t.dtype in MX_SCALE_DTYPES:
+            bad.append((name, f"{t.dtype} tensor (MX scale?)"))
+        elif re.search(r"(weight_scale|_scale_inv|weight_scale_inv)$", name) and t.dtype != "F32":
+            bad.append((name, f"scale tensor is {t.dtype}, not F32"))
+        elif name.endswith(".weight_scale") and t.dtype == "F32" and len(t.shape) >= 2:
+            bad.append((name, "F32 '.weight_scale' next to a block weight: vLLM/SGLang block layers read weight_scale_inv"))
+    for name, why in bad:
+        report.add("tensors", name, "-", "MX/odd tensor present", "none", False, why)
+    if not bad:
+        report.add("tensors", "(all tensors)", "-", "no MX scale tensors", "none", True)
+
+
+# --------------------------------------------------------------------------------------
+# Architecture knowledge: checkpoint module -> engine module (+ shard)
+# --------------------------------------------------------------------------------------
+
+#: expert naming -> (checkpoint projection, role): role is "w1" (gate), "w3" (up), "w2" (down), "w13" (fused gate+up)
+_EXPERT_ROLES = {
+    "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2",
+    "gate_up_proj": "w13", "w13_weight": "w13", "w2_weight": "w2",
+}
+_PER_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
+_FUSED_EXPERT_MOD = re.compile(r"^(?P<moe>.*\.experts)\.(?P<proj>gate_up_proj|down_proj|w13_weight|w2_weight)$")
+
+KNOWN_ARCHS = {
+    "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+    "Qwen2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "MiniMaxM2ForCausalLM",
+    "MixtralForCausalLM", "GptOssForCausalLM",
+}
+
+DEFAULT_PACKED = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+}
+
+
+@dataclass
+class EngineModule:
+    """Where one checkpoint module lands in the engine."""
+
+    prefix: str  # engine layer prefix (qkv_proj, gate_up_proj, ...experts)
+    kind: str  # "linear" | "moe" | "embedding"
+    shard: str | None  # "q"/"k"/"v", index in a merged layer, or the expert role
+    expert: int | None = None
+
+
+def engine_module_for(name: str, packed: dict[str, list[str]], arch_cfg: dict[str, Any]) -> EngineModule:
+    m = _PER_EXPERT.match(name)
+    if m and m.group("proj") in _EXPERT_ROLES and "shared_expert" not in m.group("moe").rsplit(".", 1)[-1]:
+        return EngineModule(m.group("moe"), "moe", _EXPERT_ROLES[m.group("proj")], int(m.group("e")))
+    m = _FUSED_EXPERT_MOD.match(name)
+    if m:
+        return EngineModule(m.group("moe"), "moe", _EXPERT_ROLES[m.group("proj")])
+    last = name.rsplit(".", 1)[-1]
+    if last in ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out", "output"):
+        return EngineModule(name, "embedding", None)
+    for fused, parts in packed.items():
+        if last in parts:
+            base = name[: -len(last)] + fused
+            shard: str = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}.get(last, str(parts.index(last))) \
+                if fused == "qkv_proj" else str(parts.index(last))
+            return EngineModule(base, "linear", shard)
+    return EngineModule(name, "linear", None)
+
+
+# --------------------------------------------------------------------------------------
+# Merged-layer sizes per TP (for the block-shape validation)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Merged:
+    """One engine layer built from checkpoint modules: global sizes of its shards."""
+
+    prefix: str
+    kind: str  # "qkv" | "merged" | "column" | "row" | "moe" | "replicated"
+    shard_sizes: list[int]  # global output sizes of the shards (qkv: q, k, v)
+    input_size: int
+    heads: tuple[int, int, int] | None = None  # (num_heads, num_kv_heads, head_dim) for qkv
+    moe_intermediate: int | None = None
+    hidden: int | None = None
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg.get("text_config") or cfg
+
+
+def merged_layers(mods: list[CkModule], packed: dict[str, list[str]], cfg: dict[str, Any]) -> list[Merged]:
+    """Group the checkpoint's FP8 modules the way the engine builds its layers."""
+    tc = text_config(cfg)
+    groups: dict[str, dict[str, CkModule]] = {}
+    moes: dict[str, list[CkModule]] = {}
+    for m in mods:
+        if m.expected != "fp8":
+            continue
+        em = engine_module_for(m.name, packed, tc)
+        if em.kind == "moe":
+            moes.setdefault(em.prefix, []).append(m)
+        elif em.kind == "linear":
+            groups.setdefault(em.prefix, {})[em.shard or ""] = m
+    out = []
+    for prefix, shards in groups.items():
+        last = prefix.rsplit(".", 1)[-1]
+        any_mod = next(iter(shards.values()))
+        k = any_mod.k
+        if last in packed and len(shards) > 1:
+            order = ["q", "k", "v"] if last == "qkv_proj" else [str(i) for i in range(len(packed[last]))]
+            sizes = [shards[s].n for s in order if s in shards]
+            if last == "qkv_proj":
+                hd = tc.get("head_dim") or (tc.get("hidden_size", 0) // max(1, tc.get("num_attention_heads", 1)))
+                heads = (shards["q"].n // hd, shards["k"].n // hd, hd) if hd and "q" in shards and "k" in shards else None
+                out.append(Merged(prefix, "qkv", sizes, k, heads=heads))
+            else:
+                out.append(Merged(prefix, "merged", sizes, k))
+        else:
+            kind = "row" if re.search(r"(o_proj|down_proj|out_proj|dense_4h_to_h|w2|wo|c_proj)$", last) else "column"
+            if re.search(r"(^|\.)gate$|shared_expert_gate$|router$", prefix):
+                kind = "replicated"
+            out.append(Merged(prefix, kind, [any_mod.n], k))
+    for prefix, ms in moes.items():
+        inter = None
+        hidden = None
+        for m in ms:
+            role = engine_module_for(m.name, packed, tc).shard
+            if role in ("w1", "w3"):
+                inter, hidden = m.n, m.k
+            elif role == "w13":
+                inter, hidden = m.n // 2, m.k
+            elif role == "w2" and inter is None:
+                inter, hidden = m.k, m.n
+        out.append(Merged(prefix, "moe", [inter or 0], hidden or 0, moe_intermediate=inter, hidden=hidden))
+    return sorted(out, key=lambda g: _natural(g.prefix))
+
+
+def per_rank(g: Merged, tp: int) -> tuple[list[int], int]:
+    """Per-rank output shard sizes and input size, as vLLM/SGLang compute them."""
+    if g.kind == "qkv" and g.heads:
+        nh, nkv, hd = g.heads
+        kv_per_rank = max(1, nkv // tp)  # replicated when tp >= num_kv_heads
+        return [nh // tp * hd if nh % tp == 0 else g.shard_sizes[0] / tp, kv_per_rank * hd, kv_per_rank * hd][: len(g.shard_sizes)], g.input_size
+    if g.kind in ("qkv", "merged", "column"):
+        return [s / tp if s % tp else s // tp for s in g.shard_sizes], g.input_size
+    if g.kind == "row":
+        return g.shard_sizes, (g.input_size / tp if g.input_size % tp else g.input_size // tp)
+    return g.shard_sizes, g.input_size
+
+
+def aligned_offsets_ok(sizes: list) -> bool:
+    """Merged shards give correct scales only if every shard but the last starts and ends on a block."""
+    return all(isinstance(s, int) and s % BLOCK == 0 for s in sizes[:-1])
+
+
+def _fmt_sizes(sizes: list) -> str:
+    return "/".join(str(int(s)) if float(s).is_integer() else f"{s:.1f}" for s in sizes)
+
+
+def expand_scale(scale, n: int, k: int, bn: int, bk: int):
+    return scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., :n, :k]
+
+
+def scale_block(rows: int, cols: int, n: int, k: int) -> tuple[int, int] | None:
+    """The block a scale grid of rows x cols has over an n x k weight (128, or a refined one)."""
+    for b in (128, 64, 32, 16):
+        if math.ceil(n / b) == rows and math.ceil(k / b) == cols:
+            return b, b
+    return None
+
+
+def dequant(w, s):
+    """What a block-FP8 GEMM computes with: fp8 value x the scale of its 128x128 tile."""
+    import torch
+
+    bn, bk = scale_block(s.shape[-2], s.shape[-1], w.shape[-2], w.shape[-1]) or (BLOCK, BLOCK)
+    return w.to(torch.float32) * expand_scale(s.to(torch.float32), w.shape[-2], w.shape[-1], bn, bk)
+
+
+# --------------------------------------------------------------------------------------
+# Shared GPU stubs
+# --------------------------------------------------------------------------------------
+
+STUBS: list[str] = []
+
+
+def stub(what: str) -> None:
+    if what not in STUBS:
+        STUBS.append(what)
+
+
+# --------------------------------------------------------------------------------------
+# vLLM
+# --------------------------------------------------------------------------------------
+
+
+class VllmCheck:
+    engine = "vllm"
+
+    def __init__(self, ckpt: Checkpoint, report: Report, tps: list[int], build_model: bool) -> None:
+        self.ckpt, self.report, self.tps, self.build_model = ckpt, report, tps, build_model
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        import torch  # noqa: F401
+        import vllm
+
+        self.version = vllm.__version__
+        self.quant_config = None
+        self.vllm_config = None
+        self.model_cls = None
+
+    # ---- a. config detection ---------------------------------------------------------
+
+    def _engine_config(self, path: Path):
+        from vllm.engine.arg_utils import EngineArgs
+
+        args = EngineArgs(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                          max_model_len=256, load_format="safetensors")
+        return args.create_engine_config()
+
+    def check_config(self) -> None:
+        r, ckpt = self.report, self.ckpt
+        qc = ckpt.quant_config or {}
+        try:
+            vc = self._engine_config(ckpt.path)
+        except Exception as e:  # the engine refuses the config
+            r.add("config", "quantization_config", "EngineArgs.create_engine_config", f"raised {type(e).__name__}",
+                  "fp8 / Fp8Config", False, _short(e))
+            self._fallback_quant_config()
+            return
+        self.vllm_config = vc
+        method = vc.model_config.quantization
+        qcfg = vc.quant_config
+        self.quant_config = qcfg
+        name = type(qcfg).__name__ if qcfg is not None else "None"
+        r.add("config", "quant method (ModelConfig._verify_quantization)", "ModelConfig", str(method), "fp8",
+              method == "fp8")
+        r.add("config", "quant config class (get_quant_config)", name, name, "Fp8Config", name == "Fp8Config")
+        if qcfg is not None and name == "Fp8Config":
+            wbs = list(qcfg.weight_block_size or [])
+            r.add("config", "weight_block_size", name, str(wbs), "[128, 128]", wbs == [128, 128])
+            r.add("config", "activation_scheme", name, str(qcfg.activation_scheme), "dynamic",
+                  qcfg.activation_scheme == "dynamic")
+            r.add("config", "is_checkpoint_fp8_serialized", name, str(qcfg.is_checkpoint_fp8_serialized), "True",
+                  bool(qcfg.is_checkpoint_fp8_serialized))
+            ign = list(qcfg.ignored_layers or [])
+            wild = [x for x in ign if any(c in x for c in "*?[") or x.startswith("re:")]
+            r.add("config", "ignored_layers (as parsed)", name, json.dumps(ign)[:80], "exact module names",
+                  not wild, f"vLLM matches names exactly; patterns never match: {wild}" if wild else "")
+            for key in ("ignored_layers", "modules_to_not_convert", "ignore"):
+                if key in qc and key != "ignored_layers" and qc.get(key) != qc.get("ignored_layers"):
+                    r.add("config", f"{key} vs ignored_layers", name, "differ", "same list", False,
+                          "vLLM reads ignored_layers only (modules_to_not_convert only if ignored_layers is empty)")
+        # hf_quant_config.json: does it change the detection?
+        if ckpt.hf_quant_config is not None:
+            self._hf_quant_variants(method, name)
+        else:
+            r.add("config", "hf_quant_config.json", "-", "absent", "-", None)
+
+    def _hf_quant_variants(self, method, name) -> None:
+        import tempfile
+
+        r, ckpt = self.report, self.ckpt
+        with tempfile.TemporaryDirectory(prefix="engine_check_") as tmp:
+            t = Path(tmp) / "no_hfq"
+            _link_tree(ckpt.path, t, skip={"hf_quant_config.json"})
+            try:
+                vc = self._engine_config(t)
+                m2, n2 = vc.model_config.quantization, type(vc.quant_config).__name__
+                same = (m2, n2) == (method, name)
+                r.add("config", "hf_quant_config.json present vs removed", "ModelConfig", f"{method}/{name} vs {m2}/{n2}",
+                      "same", same, "" if same else "hf_quant_config.json changes what vLLM loads")
+            except Exception as e:
+                r.add("config", "hf_quant_config.json removed", "ModelConfig", f"raised {type(e).__name__}", "same", False,
+                      _short(e))
+            # What vLLM does when config.json has no quantization_config: it reads hf_quant_config.json.
+            t2 = Path(tmp) / "only_hfq"
+            _link_tree(ckpt.path, t2, skip={"config.json"})
+            cfg = dict(ckpt.config)
+            cfg.pop("quantization_config", None)
+            (t2 / "config.json").write_text(json.dumps(cfg))
+            try:
+                vc = self._engine_config(t2)
+                m3, n3 = vc.model_config.quantization, type(vc.quant_config).__name__
+                ok = m3 == "fp8" or (n3 in ("ModelOptFp8Config",) and "PB" not in json.dumps(ckpt.hf_quant_config))
+                r.add("config", "hf_quant_config.json alone (no quantization_config)", "ModelConfig", f"{m3}/{n3}",
+                      "info", None, "what vLLM would read if config.json lost its quantization_config")
+            except Exception as e:
+                r.add("config", "hf_quant_config.json alone (no quantization_config)", "ModelConfig",
+                      f"raised {type(e).__name__}", "info", None, _short(e))
+            hq = ckpt.hf_quant_config.get("quantization", ckpt.hf_quant_config)
+            algo = hq.get("quant_algo")
+            r.add("config", "hf_quant_config.json quant_algo", "-", str(algo), "consistent with fp8 block or absent",
+                  algo in (None, "FP8_PB_WO", "FP8"), "stale MX metadata" if algo and "MX" in str(algo) else "")
+
+    def _fallback_quant_config(self) -> None:
+        from vllm.model_executor.layers.quantization import get_quantization_config
+
+        try:
+            qc = self.ckpt.quant_config or {}
+            cls = get_quantization_config(qc.get("quant_method", "fp8"))
+            self.quant_config = cls.from_config(qc)
+            self.report.note(f"Fp8Config built directly with {cls.__name__}.from_config (EngineArgs failed)")
+        except Exception as e:
+            self.report.add("config", "quant config from_config", "-", f"raised {type(e).__name__}", "Fp8Config",
+                            False, _short(e))
+
+    # ---- model --------------------------------------------------------------------------
+
+    def _init_dist(self) -> None:
+        import tempfile
+
+        from vllm.distributed import parallel_state as ps
+
+        if ps._WORLD is not None:
+            return
+        f = tempfile.NamedTemporaryFile(prefix="engine_check_dist_", delete=False)
+        f.close()
+        os.unlink(f.name)
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                        distributed_init_method=f"file://{f.name}", backend="gloo")
+        ps.initialize_model_parallel(1, 1)
+
+    def _stub_gpu(self) -> None:
+        """Stub only what picks or runs GPU kernels (weights are never run through a GEMM here)."""
+        import vllm.model_executor.layers.quantization.fp8 as fp8
+
+        orig = fp8.select_fp8_moe_backend
+
+        def select(*a, **k):
+            try:
+                return orig(*a, **k)
+            except Exception as e:  # no FP8 MoE kernel on a CPU
+                stub(f"vLLM select_fp8_moe_backend (FP8 MoE kernel choice; on CPU it raises: {_short(e, 90)})")
+                return None, None
+
+        fp8.select_fp8_moe_backend = select
+
+    def build(self):
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        self._init_dist()
+        self._stub_gpu()
+        from vllm.model_executor.model_loader.utils import initialize_model
+
+        with set_current_vllm_config(self.vllm_config):
+            with torch.device("cpu"):
+                model = initialize_model(vllm_config=self.vllm_config)
+        return model
+
+    # ---- b/d. per-module decision and loading ------------------------------------------
+
+    def check_modules(self, mods: list[CkModule]) -> None:
+        r = self.report
+        model = None
+        if self.vllm_config is not None and self.build_model:
+            try:
+                model = self.build()
+            except Exception as e:
+                r.add("model", "initialize_model", ",".join(self.ckpt.architectures), f"raised {type(e).__name__}",
+                      "model builds", False, _short(e, 200))
+                traceback.print_exc()
+        if model is None:
+            r.note("falling back to per-layer decisions without the model (rules + Fp8Config.get_quant_method)")
+            self._decide_without_model(mods)
+            self._load_single_layers(mods)
+            return
+        r.add("model", "initialize_model", type(model).__name__, "built on CPU", "model builds", True)
+        self._decide_with_model(model, mods)
+        self._load_with_model(model, mods)
+
+    def _owner_map(self, model) -> dict[str, Any]:
+        return {n: m for n, m in model.named_modules() if getattr(m, "quant_method", None) is not None}
+
+    def _map_name(self, model, weight_name: str) -> tuple[str, Any]:
+        mapper = getattr(type(model), "hf_to_vllm_mapper", None)
+        if mapper is None:
+            return weight_name, None
+        try:
+            res = mapper._map_name_with_shard(weight_name)
+        except Exception:
+            res = (mapper.map_name(weight_name) if hasattr(mapper, "map_name") else weight_name, None)
+        if res is None:
+            return "", None
+        return res
+
+    def _owner(self, model, owners: dict[str, Any], m: CkModule) -> tuple[str, Any, EngineModule]:
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or DEFAULT_PACKED)
+        wname = m.weight.name
+        mapped, shard = self._map_name(model, wname)
+        base = mapped[: -len(".weight")] if mapped.endswith(".weight") else mapped
+        em = engine_module_for(base, {**DEFAULT_PACKED, **packed}, text_config(self.ckpt.config))
+        if shard is not None and em.kind == "linear":
+            em.shard = str(shard)
+        p = em.prefix
+        # nearest module with a quant_method: at p, below p (shortest), or above p
+        below = sorted((n for n in owners if n == p or n.startswith(p + ".")), key=len)
+        if below:
+            return below[0], owners[below[0]], em
+        parts = p.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            q = ".".join(parts[:i])
+            if q in owners:
+                return q, owners[q], em
+        return "", None, em
+
+    @staticmethod
+    def _decision(qm) -> str:
+        n = type(qm).__name__
+        if "Unquantized" in n:
+            return "unquantized"
+        if "Fp8" in n and "KVCache" not in n:
+            return "fp8"
+        return n
+
+    def _decide_with_model(self, model, mods: list[CkModule]) -> None:
+        r = self.report
+        owners = self._owner_map(model)
+        self._owners = {}
+        for m in mods:
+            name, mod, em = self._owner(model, owners, m)
+            self._owners[m.name] = (name, mod, em)
+            if mod is None:
+                r.add("modules", m.name, "-", "no engine module", m.expected, False,
+                      f"vLLM {type(model).__name__} has no layer for this tensor")
+                continue
+            qm = mod.quant_method
+            dec = self._decision(qm)
+            klass = f"{type(mod).__name__}/{type(qm).__name__}"
+            self._row(m, klass, dec, f"-> {name}" if name != m.name else "")
+
+    def _row(self, m: CkModule, klass: str, dec: str, note: str = "") -> None:
+        if m.expected == "invalid":
+            self.report.add("modules", m.name, klass, dec, "valid tensor", False, m.problem)
+            return
+        ok = dec == m.expected
+        why = ""
+        if not ok:
+            why = ("engine quantizes a " + m.weight.dtype + " weight (garbage or load error)") if dec == "fp8" else \
+                  ("engine treats an FP8 weight as unquantized: scales dropped (garbage)" if m.expected == "fp8" else "")
+        self.report.add("modules", m.name, klass, dec, m.expected, ok, "; ".join(x for x in (why, note) if x))
+
+    def _load_with_model(self, model, mods: list[CkModule]) -> None:
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        r = self.report
+        loaded: set[str] | None = None
+        with set_current_vllm_config(self.vllm_config):
+            try:
+                with torch.no_grad():
+                    loaded = model.load_weights(self.ckpt.iter_weights())
+                r.add("load", "model.load_weights(checkpoint)", type(model).__name__, "loaded", "loads", True)
+            except Exception as e:
+                r.add("load", "model.load_weights(checkpoint)", type(model).__name__, f"raised {type(e).__name__}",
+                      "loads", False, _short(e, 200))
+                traceback.print_exc()
+                return
+        # vLLM only tracks unloaded parameters for unquantized models by default; use its own tracker.
+        try:
+            from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+            DefaultModelLoader.track_weights_loading(None, model, set(loaded or ()), quantized=True)
+            r.add("load", "every parameter loaded (track_weights_loading)", "DefaultModelLoader", "all loaded",
+                  "all loaded", True)
+        except ValueError as e:
+            missing = sorted(re.findall(r"'([^']+)'", str(e)))
+            for p in missing:
+                r.add("load", p, "-", "not in checkpoint: left at its init value", "loaded", False,
+                      "silently garbage (vLLM does not check quantized models)")
+        except Exception as e:
+            r.note(f"track_weights_loading unavailable: {_short(e)}")
+        # values
+        for m in mods:
+            if m.expected != "fp8":
+                continue
+            name, mod, em = self._owners.get(m.name, ("", None, None))
+            if mod is None or self._decision(mod.quant_method) != "fp8":
+                continue
+            try:
+                self._compare(m, name, mod, em)
+            except Exception as e:
+                r.add("values", m.name, type(mod).__name__, f"compare raised {type(e).__name__}", "equal", False, _short(e))
+
+    def _compare(self, m: CkModule, owner_name: str, mod, em: EngineModule) -> None:
+        import torch
+
+        w_ck = self.ckpt.load(m.weight.name)
+        s_ck = self.ckpt.load(m.scale.name)
+        params = dict(mod.named_parameters())
+        if em.kind == "moe":
+            self._compare_moe(m, owner_name, params, em, w_ck, s_ck)
+            return
+        W, S = params.get("weight"), params.get("weight_scale_inv")
+        if W is None or S is None:
+            self.report.add("values", m.name, type(mod).__name__, f"params {sorted(params)}", "weight + weight_scale_inv",
+                            False)
+            return
+        off = self._shard_offset(mod, em)
+        n = m.n
+        w_eng = W.data[off: off + n]
+        ok_bytes = w_eng.shape == w_ck.shape and torch.equal(w_eng.view(torch.uint8), w_ck.view(torch.uint8))
+        rows = math.ceil(n / BLOCK)
+        aligned = off % BLOCK == 0
+        if aligned:
+            s_eng = S.data[off // BLOCK: off // BLOCK + rows]
+            ok_scale = s_eng.shape == s_ck.shape and torch.equal(s_eng, s_ck)
+        else:
+            ok_scale = False
+        eff = dequant(W.data, S.data)[off: off + n]
+        ref = dequant(w_ck, s_ck)
+        ok_eff = eff.shape == ref.shape and torch.equal(eff, ref)
+        err = "" if ok_eff else f"max |engine - checkpoint| = {(eff - ref).abs().max().item():.3g}" if eff.shape == ref.shape else "shape"
+        shard = f"shard {em.shard} at row {off}" if em.shard is not None else ""
+        self.report.add("values", m.name, type(mod).__name__, f"bytes {'=' if ok_bytes else '!='}, scale {'=' if ok_scale else '!='}",
+                        "bytes =, scale =", ok_bytes and ok_scale,
+                        "; ".join(x for x in (shard, "" if aligned else "shard does not start on a 128-row block") if x))
+        self.report.add("values", m.name, type(mod).__name__, "dequantized equal" if ok_eff else "dequantized DIFFERS",
+                        "dequantized equal", ok_eff, err)
+
+    def _shard_offset(self, mod, em: EngineModule) -> int:
+        if em.shard is None:
+            return 0
+        if em.shard in ("q", "k", "v") and hasattr(mod, "_get_shard_offset_mapping"):
+            return int(mod._get_shard_offset_mapping(em.shard))
+        sizes = getattr(mod, "output_sizes", None)
+        if sizes is not None and em.shard.isdigit():
+            tp = getattr(mod, "tp_size", 1)
+            return sum(sizes[: int(em.shard)]) // tp
+        return 0
+
+    def _compare_moe(self, m: CkModule, owner_name: str, params: dict, em: EngineModule, w_ck, s_ck) -> None:
+        import torch
+
+        def find(suffix):
+            c = [(k, v) for k, v in params.items() if k == suffix or k.endswith("." + suffix)]
+            return c[0][1] if c else None
+
+        role = em.shard
+        wn, sn = ("w2_weight", "w2_weight_scale_inv") if role == "w2" else ("w13_weight", "w13_weight_scale_inv")
+        W, S = find(wn), find(sn)
+        if W is None or S is None:
+            self.report.add("values", m.name, "FusedMoE", f"no {wn}/{sn} in {owner_name}", "present", False,
+                            f"params: {sorted(params)[:6]}")
+            return
+        experts = [em.expert] if em.expert is not None else list(range(w_ck.shape[0]))
+        bad_bytes = bad_scale = bad_eff = 0
+        maxerr = 0.0
+        for j, e in enumerate(experts):
+            wc = w_ck if em.expert is not None else w_ck[j]
+            sc = s_ck if em.expert is not None else s_ck[j]
+            We, Se = W.data[e], S.data[e]
+            eff_all = dequant(We, Se)
+            if role == "w3":
+                off = We.shape[0] // 2
+            else:
+                off = 0
+            n = wc.shape[0]
+            if not torch.equal(We[off: off + n].view(torch.uint8), wc.view(torch.uint8)):
+                bad_bytes += 1
+            blk = scale_block(Se.shape[0], Se.shape[1], We.shape[0], We.shape[1])
+            if blk == (BLOCK, BLOCK) and off % BLOCK == 0:
+                se = Se[off // BLOCK: off // BLOCK + sc.shape[0]]
+                if se.shape != sc.shape or not torch.equal(se, sc):
+                    bad_scale += 1
+            eff = eff_all[off: off + n]
+            ref = dequant(wc, sc)
+            if eff.shape != ref.shape or not torch.equal(eff, ref):
+                bad_eff += 1
+                if eff.shape == ref.shape:
+                    maxerr = max(maxerr, (eff - ref).abs().max().item())
+        blk = scale_block(S.shape[-2], S.shape[-1], W.shape[-2], W.shape[-1])
+        note = f"engine scale block {blk}" if blk != (BLOCK, BLOCK) else ""
+        self.report.add("values", m.name, "FusedMoE " + wn, f"bytes {'!=' if bad_bytes else '='}, scale {'!=' if bad_scale else '='}",
+                        "bytes =, scale =", not bad_bytes and not bad_scale,
+                        note + (f" (block {blk}: scales upsampled, compared dequantized)" if blk != (BLOCK, BLOCK) else ""))
+        self.report.add("values", m.name, "FusedMoE " + wn, "dequantized equal" if not bad_eff else "dequantized DIFFERS",
+                        "dequantized equal", not bad_eff, f"max err {maxerr:.3g}" if bad_eff else "")
+
+    # ---- fallback without the model ------------------------------------------------------
+
+    def _decide_without_model(self, mods: list[CkModule]) -> None:
+        from vllm.model_executor.layers.linear import LinearBase
+
+        qc = self.quant_config
+        if qc is None:
+            return
+        packed = dict(DEFAULT_PACKED)
+        if self.model_cls is not None:
+            packed.update(getattr(self.model_cls, "packed_modules_mapping", {}) or {})
+        qc.packed_modules_mapping = packed
+        from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+        for m in mods:
+            em = engine_module_for(m.name, packed, text_config(self.ckpt.config))
+            if em.kind == "embedding":
+                self._row(m, "VocabParallelEmbedding(rule)", "unquantized")
+                continue
+            try:
+                skipped = is_layer_skipped(em.prefix, list(qc.ignored_layers or []), fused_mapping=packed,
+                                           match_mode=getattr(qc, "ignored_layers_match_mode", "exact"))
+                dec = "unquantized" if skipped else "fp8"
+            except Exception as e:
+                dec = f"raised {type(e).__name__}: {_short(e, 60)}"
+            self._row(m, ("FusedMoE" if em.kind == "moe" else "LinearBase") + "(is_layer_skipped)", dec,
+                      f"-> {em.prefix} (quant_config assumed passed by the model)")
+
+    def _load_single_layers(self, mods: list[CkModule]) -> None:
+        self.report.note("single-layer load check not run (model could not be built)")
+
+    # ---- c. TP block-shape validation ---------------------------------------------------
+
+    def check_tp(self, mods: list[CkModule]) -> None:
+        from types import SimpleNamespace
+        from unittest import mock
+
+        import vllm.distributed as vd
+        from vllm.model_executor.layers.quantization.utils import fp8_utils
+
+        r = self.report
+        qc = self.quant_config
+        block = list(getattr(qc, "weight_block_size", None) or [BLOCK, BLOCK])
+        packed = dict(DEFAULT_PACKED)
+        mc = self._model_class()
+        if mc is not None:
+            packed.update(getattr(mc, "packed_modules_mapping", {}) or {})
+        groups = merged_layers(mods, packed, self.ckpt.config)
+        try:
+            from vllm.model_executor.layers.fused_moe.oracle.fp8 import refine_fp8_moe_block_shape
+        except Exception:
+            refine_fp8_moe_block_shape = None
+        for tp in self.tps:
+            for g in _dedupe_layers(groups):
+                sizes, insize = per_rank(g, tp)
+                if g.kind == "moe":
+                    ispp = g.moe_intermediate / tp if g.moe_intermediate % tp else g.moe_intermediate // tp
+                    what = f"I/tp={_fmt_sizes([ispp])}"
+                    try:
+                        if not float(ispp).is_integer():
+                            raise ValueError(f"moe_intermediate_size {g.moe_intermediate} not divisible by tp {tp}")
+                        refined = None
+                        if refine_fp8_moe_block_shape is not None:
+                            cfg = SimpleNamespace(intermediate_size_per_partition=int(ispp), tp_size=tp, hidden_dim=g.hidden)
+                            refined = refine_fp8_moe_block_shape(cfg, block)
+                        if refined is not None:
+                            r.add(f"tp={tp}", g.prefix, "FusedMoE", f"loads, block refined to {refined}", "loads", True,
+                                  f"{what}; Triton MoE kernels only (refine_fp8_moe_block_shape)")
+                            continue
+                        with mock.patch.object(vd, "get_tensor_model_parallel_world_size", lambda: tp):
+                            fp8_utils.validate_fp8_block_shape_moe(int(ispp), block)
+                        r.add(f"tp={tp}", g.prefix, "FusedMoE", "loads", "loads", True, what)
+                    except ValueError as e:
+                        r.add(f"tp={tp}", g.prefix, "FusedMoE", "rejected", "loads", False, f"{what}: {_short(e, 90)}")
+                    continue
+                klass = {"qkv": "QKVParallelLinear", "merged": "MergedColumnParallelLinear", "column": "ColumnParallelLinear",
+                         "row": "RowParallelLinear", "replicated": "ReplicatedLinear"}[g.kind]
+                eff_tp = 1 if g.kind == "replicated" else tp
+                if any(not float(s).is_integer() for s in sizes) or not float(insize).is_integer():
+                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
+                          f"sizes {_fmt_sizes(sizes)} x {insize} not divisible by tp")
+                    continue
+                sizes = [int(s) for s in sizes]
+                layer = SimpleNamespace(tp_size=eff_tp, prefix=g.prefix,
+                                        quant_config=SimpleNamespace(weight_block_size=block),
+                                        output_partition_sizes=sizes)
+                mismatch = False
+                if g.kind in ("qkv", "merged"):
+                    from vllm.model_executor.layers.linear import ColumnParallelLinear
+
+                    ColumnParallelLinear._maybe_allow_fp8_block_shape_mismatch(layer)
+                    mismatch = bool(getattr(layer, "allow_fp8_block_shape_mismatch", False))
+                out_global = sum(sizes) * eff_tp if g.kind != "row" else sum(sizes)
+                in_global = insize * eff_tp if g.kind == "row" else insize
+                what = f"per rank {_fmt_sizes(sizes)} x {insize}"
+                try:
+                    fp8_utils.validate_fp8_block_shape(layer, in_global, out_global, int(insize), sizes, block)
+                except ValueError as e:
+                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False, f"{what}: {_short(e, 90)}")
+                    continue
+                if mismatch and not aligned_offsets_ok(sizes):
+                    r.add(f"tp={tp}", g.prefix, klass, "loads (validation skipped: shard mismatch allowed)", "loads, aligned",
+                          False, f"{what}: a shard starts inside a 128-row scale block -> wrong scales, silently")
+                else:
+                    r.add(f"tp={tp}", g.prefix, klass, "loads", "loads", True, what)
+
+    def _model_class(self):
+        if self.model_cls is not None:
+            return self.model_cls
+        try:
+            from vllm.model_executor.models import ModelRegistry
+
+            for a in self.ckpt.architectures:
+                try:
+                    self.model_cls = ModelRegistry._try_load_model_cls(a)
+                except Exception:
+                    self.model_cls = None
+                if self.model_cls is not None:
+                    break
+        except Exception:
+            pass
+        return self.model_cls
+
+
+def _dedupe_layers(groups: list[Merged]) -> list[Merged]:
+    """One representative per distinct shape (layers repeat)."""
+    seen: dict[tuple, Merged] = {}
+    for g in groups:
+        key = (re.sub(r"\.\d+\.", ".N.", g.prefix), g.kind, tuple(g.shard_sizes), g.input_size, g.heads, g.moe_intermediate)
+        seen.setdefault(key, g)
+    out = []
+    for key, g in seen.items():
+        out.append(Merged(key[0], g.kind, g.shard_sizes, g.input_size, g.heads, g.moe_intermediate, g.hidden))
+    return out
+
+
+def _link_tree(src: Path, dst: Path, skip: set[str]) -> None:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in skip:
+            (dst / f.name).symlink_to(f.resolve())
+
+
+def _short(e: BaseException | str, n: int = 140) -> str:
+    s = str(e).replace("\n", " ")
+    return s if len(s) <= n else s[: n - 3] + "..."
