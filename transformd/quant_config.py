@@ -98,8 +98,8 @@ def unquantized_modules(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> 
     """
     found: set[str] = set()
     for name, dtype, shape in tensors:
-        if dtype not in FLOAT_DTYPES or len(shape) < 2:
-            continue
+        if dtype not in FLOAT_DTYPES or len(shape) < 2 or name.endswith(("_scale", "_scale_inv")):
+            continue  # block scales (F32) are not weights
         if name.endswith(".weight"):
             found.add(name.removesuffix(".weight"))
         elif len(shape) == 3 and name.rpartition(".")[0].endswith("experts"):

@@ -218,9 +218,9 @@ class OrderedCopyConverter:
 class DaemonThread:
     """``transformd serve`` with ``settings``, in a daemon thread; a context manager."""
 
-    def __init__(self, settings: Settings, *, converter: Any = None, cache: Cache | None = None):
+    def __init__(self, settings: Settings, *, converter: Any = None, cache: Cache | None = None, platform: Any = None):
         self.settings = settings
-        self.app = create_app(settings, converter=converter, cache=cache)
+        self.app = create_app(settings, converter=converter, cache=cache, platform=platform)
         self.listeners: Listeners = open_listeners(settings)
         self.server = build_server(self.app, settings)
         self._thread: threading.Thread | None = None

@@ -1,0 +1,290 @@
+"""Engine-correct output: every real MXFP8 layout converts into a checkpoint that vLLM, SGLang and transformers
+read right, and readiness, target choice and refusals say what the engines would do.
+
+The name matching of the engines is restated here from their sources (vLLM 0.33
+``quantization/utils/quant_utils.py is_layer_skipped``, SGLang 0.5.23 ``quantization/utils.py``), as an oracle
+independent of transformd's own code; the opt-in check in ``tests/engines/`` runs the engines' own code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from transformd import cli
+from transformd.checkpoint import CheckpointError, convert_checkpoint, readiness_of_dir
+from transformd.engines import Engine, Platform, choose_target, readiness
+from transformd.quant_config import excluded_by
+from transformd.reference import dequantize_block, dequantize_mx
+from transformd.safetensors_io import read_header
+from transformd.sample import write_sample_checkpoint
+
+from .layouts import LAYOUTS, QUARK_ROWS, minimax
+
+FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def vllm_skipped(prefix: str, ignored: list[str]) -> bool:
+    """vLLM 0.33 ``is_layer_skipped`` in Fp8Config's "exact" mode (fused shards all-or-none, experts by substring)."""
+    proj = prefix.split(".")[-1]
+    if proj in FUSED:
+        if prefix in ignored:
+            return True
+        flags = {prefix.replace(proj, shard) in ignored for shard in FUSED[proj]}
+        if len(flags) > 1:
+            raise ValueError(f"Detected some but not all shards of {prefix} are quantized")
+        return flags.pop()
+    if "experts" in prefix:
+        return any(prefix in name for name in ignored if "experts" in name)
+    return prefix in ignored
+
+
+def sglang_skipped(prefix: str, ignored: list[str]) -> bool:
+    """SGLang 0.5.23: an ignored name matches itself, any dotted ancestor, or a dotted run of components."""
+    parts = prefix.split(".")
+    for name in ignored:
+        want = name.split(".")
+        if any(parts[i : i + len(want)] == want for i in range(len(parts) - len(want) + 1)):
+            return True
+    return False
+
+
+def _tensors(path: Path) -> dict:
+    return {n: i for f in sorted(path.glob("*.safetensors")) for n, i in read_header(f).tensors.items()}
+
+
+def _engine_modules(tensors: dict) -> dict[str, bool]:
+    """module prefix the engines ask about -> whether its weight is FP8 (per-expert and fused experts: the
+    FusedMoE prefix ``...experts``)."""
+    out: dict[str, bool] = {}
+    for name, info in tensors.items():
+        if len(info.shape) < 2 or name.endswith("_scale_inv") or "embed_tokens" in name:
+            continue
+        module = name.removesuffix(".weight")
+        head, sep, _ = module.partition(".experts.")
+        if sep and not head.endswith("shared"):
+            module = head + ".experts"
+        fp8 = info.dtype.startswith("F8_")
+        assert out.get(module, fp8) == fp8, f"{module}: mixed precision"
+        out[module] = fp8
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
+    root = tmp_path_factory.mktemp(request.param)
+    src = LAYOUTS[request.param](root / "src")
+    convert_checkpoint(src, root / "out", target="ocp", device="cpu", engine="vllm")
+    return request.param, src, root / "out"
+
+
+def test_nothing_mx_left_and_every_fp8_weight_has_its_block_scale(converted) -> None:
+    _, _, out = converted
+    tensors = _tensors(out)
+    for name, info in tensors.items():
+        assert info.dtype not in ("U8", "F8_E8M0"), f"{name}: an MX scale left in an fp8 checkpoint"
+        if info.dtype.startswith("F8_"):
+            scale = tensors[name + "_scale_inv"]
+            *lead, n, k = info.shape
+            assert (scale.dtype, list(scale.shape)) == ("F32", [*lead, -(-n // 128), -(-k // 128)]), name
+    assert not (out / "hf_quant_config.json").exists()
+
+
+def test_exclusions_are_exact_names_the_engines_match(converted) -> None:
+    layout, src, out = converted
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    ignored = qc["ignored_layers"]
+    assert qc["modules_to_not_convert"] == ignored
+    assert not any(c in n for n in ignored for c in "*?[]") and not any(n.startswith("re:") for n in ignored)
+    for module, fp8 in _engine_modules(_tensors(out)).items():
+        assert vllm_skipped(module, ignored) is not fp8, (layout, module, "vLLM")
+        assert sglang_skipped(module, ignored) is not fp8, (layout, module, "SGLang")
+        # transformers 5 should_convert_module: a listed name skips the module and its children
+        assert any(module == n or module.startswith(n + ".") for n in ignored) is not fp8, (layout, module)
+    assert "lm_head" in ignored, "transformers skips lm_head only when it is listed"
+
+
+def test_input_exclusion_syntax_understood(converted) -> None:
+    """What the input config excluded (globs, re:, names) is exactly what stays unquantized, among linear layers."""
+    layout, src, out = converted
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    patterns = [p for lst in qc["transformd"]["source_exclusions"].values() for p in lst]
+    assert patterns, layout
+    for name, info in _tensors(out).items():
+        if name.endswith(".weight") and len(info.shape) == 2 and "embed_tokens" not in name:
+            module = name.removesuffix(".weight")
+            assert excluded_by(module, patterns) is not info.dtype.startswith("F8_"), (layout, module)
+
+
+def test_values_are_the_mx_values(converted) -> None:
+    """exact mode: within its error (DESIGN.md: relative L2 1e-7..3e-5, most elements bit-exact; only elements
+    far below their tile's maximum lose bits)."""
+    layout, src, out = converted
+    src_t, out_t = _tensors(src), _tensors(out)
+    checked = 0
+    for f in sorted(out.glob("*.safetensors")):
+        out_data = load_file(str(f))
+        for name, q in out_data.items():
+            if not q.dtype.is_floating_point or q.element_size() != 1:
+                continue
+            scale_name = next(name + s for s in ("_scale", "_scale_inv") if src_t.get(name + s, None) is not None
+                              and src_t[name + s].dtype in ("U8", "F8_E8M0"))
+            src_data = {**load_file(str(src / _shard_of(src, name))), **load_file(str(src / _shard_of(src, scale_name)))}
+            codes, scales = src_data[name].view(torch.uint8), src_data[scale_name].view(torch.uint8)
+            if scales.shape[-2] != codes.shape[-2]:
+                assert layout == "quark_per_block" and scales.shape[-2] * QUARK_ROWS == codes.shape[-2]
+                scales = scales.repeat_interleave(QUARK_ROWS, dim=-2)
+            want = dequantize_mx(codes, scales)
+            got = dequantize_block(q, out_data[name + "_scale_inv"].double(), "ocp").float()
+            rel_l2 = float((got - want).norm() / want.norm())
+            exact = float((got == want).float().mean())
+            assert rel_l2 < 1e-4 and exact > 0.9, (layout, name, rel_l2, exact)
+            checked += 1
+    assert checked == sum(1 for i in out_t.values() if i.dtype == "F8_E4M3")
+
+
+def _shard_of(src: Path, name: str) -> str:
+    return json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def test_every_layout_loads_in_every_engine_at_tp1(converted) -> None:
+    layout, _, out = converted
+    report = readiness_of_dir(out)
+    for engine, r in report.items():
+        assert 1 in r.loads_at, (layout, engine, r.problems)
+
+
+# -- readiness from shapes -----------------------------------------------------------------------------------------
+
+
+def _qwen3_like(moe_inter: int, *, heads: int = 32, kv: int = 4, hidden: int = 2048, arch: str = "Qwen3MoeForCausalLM"):
+    p = "model.layers.0"
+    hd = 128
+    specs = [
+        (f"{p}.self_attn.q_proj.weight", "F8_E4M3", [heads * hd, hidden]),
+        (f"{p}.self_attn.k_proj.weight", "F8_E4M3", [kv * hd, hidden]),
+        (f"{p}.self_attn.v_proj.weight", "F8_E4M3", [kv * hd, hidden]),
+        (f"{p}.self_attn.o_proj.weight", "F8_E4M3", [hidden, heads * hd]),
+        (f"{p}.mlp.gate.weight", "BF16", [128, hidden]),
+    ]
+    for e in range(2):
+        specs += [
+            (f"{p}.mlp.experts.{e}.gate_proj.weight", "F8_E4M3", [moe_inter, hidden]),
+            (f"{p}.mlp.experts.{e}.up_proj.weight", "F8_E4M3", [moe_inter, hidden]),
+            (f"{p}.mlp.experts.{e}.down_proj.weight", "F8_E4M3", [hidden, moe_inter]),
+        ]
+    config = {"architectures": [arch], "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+              "hidden_size": hidden}
+    return config, specs
+
+
+def test_qwen3_30b_a3b_moe_loads_at_tp1_and_tp2_only() -> None:
+    """768 / 4 = 192 is not a multiple of 128: vLLM and SGLang refuse TP 4 and 8 (the issue's measurement)."""
+    report = readiness(*_qwen3_like(768))
+    assert report["vllm"].loads_at == [1, 2] and report["sglang"].loads_at == [1, 2]
+    assert any(p.startswith("TP 4:") and "192" in p for p in report["vllm"].problems), report["vllm"].problems
+    assert report["transformers"].loads_at == [1]
+
+
+def test_the_old_sample_shapes_are_reported_not_loadable_in_sglang() -> None:
+    """q/k/v 320/64/64 and experts 224 (the sample before it was made loadable): SGLang checks every shard."""
+    config, specs = _qwen3_like(224, heads=5, kv=1, hidden=320)
+    specs = [(n, d, [64 if s == 128 else s for s in shape]) if ".k_proj" in n or ".v_proj" in n else (n, d, shape)
+             for n, d, shape in specs]
+    config["head_dim"] = 64
+    specs = [(n, d, [320 if s == 640 else s for s in shape]) for n, d, shape in specs]
+    report = readiness(config, specs)
+    assert report["sglang"].loads_at == [] and report["transformers"].loads_at == []
+    assert any("k_proj" in p or "q_proj" in p or "experts" in p for p in report["sglang"].problems)
+    assert report["vllm"].loads_at == [], report["vllm"].problems  # MoE 224 is no multiple of 128 either
+
+
+def test_scale_renaming_loaders_are_refused() -> None:
+    config, specs = _qwen3_like(768, arch="LlamaForCausalLM")
+    report = readiness(config, specs)
+    assert report["sglang"].loads_at == [] and "renames every weight_scale_inv" in report["sglang"].problems[0]
+    assert report["vllm"].loads_at == [1, 2]
+    report = readiness({**config, "architectures": ["MiniMaxM3SparseForCausalLM"]}, specs)
+    assert report["vllm"].loads_at == [] and report["sglang"].loads_at == [1, 2]
+
+
+def test_partly_quantized_merged_layer_is_a_problem() -> None:
+    config, specs = _qwen3_like(768)
+    specs = [(n, "BF16" if ".v_proj" in n else d, s) for n, d, s in specs]
+    report = readiness(config, specs)
+    assert all(r.loads_at == [] for r in report.values())
+    assert "partly FP8" in report["vllm"].problems[0]
+
+
+def test_fnuz_output_warns_engines_and_transformers_refuses() -> None:
+    config, specs = _qwen3_like(768)
+    config["quantization_config"] = {"transformd": {"target": "fnuz"}}
+    report = readiness(config, [(n, "F8_E4M3FNUZ" if d == "F8_E4M3" else d, s) for n, d, s in specs])
+    assert report["transformers"].loads_at == [] and report["vllm"].loads_at == [1, 2]
+    assert "16 codes change" in report["vllm"].warnings[0]
+
+
+# -- target choice -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("platform", "engine", "expected"),
+    [
+        (Platform("amd", "gfx942"), "vllm", "ocp"),
+        (Platform("amd", "gfx942"), "sglang", "ocp"),
+        (Platform("amd", "gfx942"), "transformers", "ocp"),
+        (Platform("amd", "gfx942"), "raw", "fnuz"),
+        (Platform("amd", "gfx942"), None, "fnuz"),
+        (Platform("nvidia", "sm_90"), "raw", "ocp"),
+        (Platform("nvidia", "sm_90"), "vllm", "ocp"),
+        (Platform("none"), None, "ocp"),
+        (Platform("amd", "gfx950"), "vllm", None),
+        (Platform("nvidia", "sm_100"), "raw", None),
+        (Platform("nvidia", "sm_120"), "sglang", None),
+    ],
+)
+def test_target_auto(platform: Platform, engine: str | None, expected: str | None) -> None:
+    target, why = choose_target("auto", engine, platform)
+    assert target == expected, why
+    assert choose_target("fnuz", engine, platform)[0] == "fnuz", "an explicit target always wins"
+
+
+# -- refusals and the command line ---------------------------------------------------------------------------------
+
+
+def test_engine_that_cannot_load_is_refused_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2, hidden=320, moe_intermediate=224, head_dim=64)
+    with pytest.raises(CheckpointError, match="sglang could not load the converted checkpoint at any TP size"):
+        convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", engine="sglang")
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu", "--engine", "sglang"]) == 2
+    assert "sglang could not load" in capsys.readouterr().err
+    # without --engine: converted, with a warning per engine that cannot load it
+    assert cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "target ocp" in err and "warning: sglang could not load this checkpoint" in err
+    assert cli.main(["inspect", str(tmp_path / "out")]) == 2
+    out = capsys.readouterr().out
+    assert "sglang: does not load" in out and "vllm: does not load" in out
+
+
+def test_inspect_a_loadable_dir(tmp_path: Path, capsys) -> None:
+    src = minimax(tmp_path / "src")
+    assert cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu", "--engine", "vllm"]) == 0
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "out")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [line for line in lines if not line.startswith(" ")]
+    assert heads == ["vllm: loads at TP 1", "sglang: loads at TP 1", "transformers: loads at TP 1", str(tmp_path / "out")]
+    assert "  TP 2: model.layers.*.block_sparse_moe.experts: MoE intermediate size per rank 64" in "\n".join(lines)
+
+
+def test_minimax_m3_is_refused_for_vllm(tmp_path: Path) -> None:
+    src = minimax(tmp_path / "src", arch="MiniMaxM3SparseForCausalLM")
+    with pytest.raises(CheckpointError, match="renames every weight_scale_inv to weight_scale"):
+        convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", engine=Engine.VLLM)
+    convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", engine="sglang")
