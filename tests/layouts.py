@@ -109,6 +109,9 @@ def _base_config(arch: str, model_type: str, quantization_config: dict, **extra)
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
         "quantization_config": quantization_config,
         **extra,
     }
@@ -172,11 +175,12 @@ def minimax(root: Path, seed: int = 0, *, arch: str = "MiniMaxM2ForCausalLM") ->
         b.mx(f"{moe}.shared_experts.{proj}.weight", f"{moe}.shared_experts.{proj}.weight_scale_inv", shape)
     qc = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
           "ignored_layers": ["lm_head", f"{moe}.gate"]}
-    return b.write(root, _base_config(arch, "minimax_m2", qc))
+    return b.write(root, _base_config(arch, "minimax_m2", qc, intermediate_size=INTER))
 
 
-def fused(root: Path, seed: int = 0) -> Path:
-    """HY-V4 / HF-v5 fused expert naming: 3-D gate_up_proj/down_proj + *_scale_inv, no .weight suffix."""
+def fused(root: Path, seed: int = 0, *, arch: str = "HYV4ForCausalLM") -> Path:
+    """HY-V4 / HF-v5 fused expert naming: 3-D gate_up_proj/down_proj + *_scale_inv, no .weight suffix
+    (transformers 5's own parameter names for Qwen3-MoE, with ``arch="Qwen3MoeForCausalLM"``)."""
     b = _Builder(seed)
     _embeddings(b)
     p = "model.layers.0"
@@ -186,7 +190,8 @@ def fused(root: Path, seed: int = 0) -> Path:
     b.mx(f"{p}.mlp.experts.down_proj", f"{p}.mlp.experts.down_proj_scale_inv", (EXPERTS, HIDDEN, INTER))
     qc = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
           "ignored_layers": ["lm_head", "model.layers.0.mlp.gate"]}
-    return b.write(root, _base_config("HYV4ForCausalLM", "hy_v4", qc))
+    model_type = "qwen3_moe" if arch == "Qwen3MoeForCausalLM" else "hy_v4"
+    return b.write(root, _base_config(arch, model_type, qc))
 
 
 def compressed_tensors(root: Path, seed: int = 0) -> Path:

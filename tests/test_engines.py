@@ -152,10 +152,14 @@ def _shard_of(src: Path, name: str) -> str:
 
 
 def test_every_layout_loads_in_every_engine_at_tp1(converted) -> None:
+    """Except fused HF-v5 expert naming in transformers, which loads those stacks without their scales."""
     layout, _, out = converted
     report = readiness_of_dir(out)
     for engine, r in report.items():
-        assert 1 in r.loads_at, (layout, engine, r.problems)
+        if layout == "fused" and engine == "transformers":
+            assert r.loads_at == [] and "fused HF-v5 naming" in r.problems[0]
+        else:
+            assert 1 in r.loads_at, (layout, engine, r.problems)
 
 
 # -- readiness from shapes -----------------------------------------------------------------------------------------

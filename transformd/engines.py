@@ -171,6 +171,7 @@ class _Model:
     head_dim: int | None
     architectures: tuple[str, ...]
     target: str | None
+    fused_experts: tuple[str, ...] = ()  # FP8 expert stacks in HF-v5 naming (``experts.gate_up_proj``, no .weight)
 
 
 def readiness(
@@ -190,12 +191,15 @@ def readiness(
 def _model(config: Mapping[str, Any], tensors: Iterable[tuple[str, str, Sequence[int]]]) -> _Model:
     fp8: dict[str, tuple[int, ...]] = {}
     unquantized: set[str] = set()
+    fused: list[str] = []
     for name, dtype, shape in tensors:
         if len(shape) < 2 or name.endswith("_scale_inv"):
             continue
         module = name.removesuffix(".weight")
         if dtype in FP8_DTYPES:
             fp8[module] = tuple(shape)
+            if len(shape) == 3 and not name.endswith(".weight"):
+                fused.append(name)
         elif name.endswith(".weight") or module.rpartition(".")[0].endswith("experts"):
             unquantized.add(module)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
@@ -218,6 +222,7 @@ def _model(config: Mapping[str, Any], tensors: Iterable[tuple[str, str, Sequence
         head_dim,
         tuple(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else (),
         target if isinstance(target, str) else None,
+        tuple(sorted(fused)),
     )
 
 
@@ -242,6 +247,12 @@ def _engine_readiness(engine: Engine, m: _Model, tp_sizes: Sequence[int]) -> Eng
             "use --target ocp (or --engine, which picks it)"
         )
     general += _mixed_precision_problems(m)
+    if engine is Engine.TRANSFORMERS and m.fused_experts:
+        general.append(
+            f"{_NUMBERED.sub('.*.', m.fused_experts[0])}: transformers 5 loads FP8 expert stacks in fused HF-v5 naming "
+            "without applying their *_scale_inv (measured with FineGrainedFP8Config(dequantize=True): values off by "
+            "the scale, no error)"
+        )
     if engine is Engine.TRANSFORMERS:
         for module, shape in sorted(m.fp8.items()):
             n, k = shape[-2:]

@@ -570,9 +570,12 @@ class VllmCheck:
         f = tempfile.NamedTemporaryFile(prefix="engine_check_dist_", delete=False)
         f.close()
         os.unlink(f.name)
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                        distributed_init_method=f"file://{f.name}", backend="gloo")
-        ps.initialize_model_parallel(1, 1)
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                            distributed_init_method=f"file://{f.name}", backend="gloo")
+            ps.initialize_model_parallel(1, 1)
 
     def _stub_gpu(self) -> None:
         """Stub only what picks or runs GPU kernels (weights are never run through a GEMM here)."""
@@ -588,6 +591,17 @@ class VllmCheck:
                 return None, None
 
         fp8.select_fp8_moe_backend = select
+
+        orig_lin = fp8.init_fp8_linear_kernel
+
+        def init_linear(*a, **k):
+            try:
+                return orig_lin(*a, **k)
+            except Exception as e:  # no block-FP8 GEMM kernel on this CPU
+                stub(f"vLLM init_fp8_linear_kernel (block-FP8 GEMM kernel choice; here it raises: {_short(e, 110)})")
+                return None
+
+        fp8.init_fp8_linear_kernel = init_linear
 
     def build(self):
         import torch
@@ -699,17 +713,21 @@ class VllmCheck:
         from vllm.config import set_current_vllm_config
 
         r = self.report
-        loaded: set[str] | None = None
-        with set_current_vllm_config(self.vllm_config):
-            try:
-                with torch.no_grad():
-                    loaded = model.load_weights(self.ckpt.iter_weights())
-                r.add("load", "model.load_weights(checkpoint)", type(model).__name__, "loaded", "loads", True)
-            except Exception as e:
-                r.add("load", "model.load_weights(checkpoint)", type(model).__name__, f"raised {type(e).__name__}",
-                      "loads", False, _short(e, 200))
-                traceback.print_exc()
-                return
+        loaded: set[str] = set()
+        failures = 0
+        # One tensor per call, so that one bad tensor does not hide the others.
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            for name in sorted(self.ckpt.tensors, key=_natural):
+                try:
+                    got = model.load_weights(iter([(name, self.ckpt.load(name))]))
+                    loaded |= set(got or ())
+                except Exception as e:
+                    failures += 1
+                    t = self.ckpt.tensors[name]
+                    r.add("load", name, type(model).__name__ + ".load_weights", f"raised {type(e).__name__}", "loads",
+                          False, f"{t.dtype} {list(t.shape)}: {_short(e, 110)}")
+        if not failures:
+            r.add("load", "model.load_weights(every tensor)", type(model).__name__, "loaded", "loads", True)
         # vLLM only tracks unloaded parameters for unquantized models by default; use its own tracker.
         try:
             from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -824,10 +842,14 @@ class VllmCheck:
                 if eff.shape == ref.shape:
                     maxerr = max(maxerr, (eff - ref).abs().max().item())
         blk = scale_block(S.shape[-2], S.shape[-1], W.shape[-2], W.shape[-1])
-        note = f"engine scale block {blk}" if blk != (BLOCK, BLOCK) else ""
-        self.report.add("values", m.name, "FusedMoE " + wn, f"bytes {'!=' if bad_bytes else '='}, scale {'!=' if bad_scale else '='}",
-                        "bytes =, scale =", not bad_bytes and not bad_scale,
-                        note + (f" (block {blk}: scales upsampled, compared dequantized)" if blk != (BLOCK, BLOCK) else ""))
+        if blk == (BLOCK, BLOCK):
+            self.report.add("values", m.name, "FusedMoE " + wn,
+                            f"bytes {'!=' if bad_bytes else '='}, scale {'!=' if bad_scale else '='}",
+                            "bytes =, scale =", not bad_bytes and not bad_scale)
+        else:
+            self.report.add("values", m.name, "FusedMoE " + wn, f"bytes {'!=' if bad_bytes else '='}",
+                            "bytes =", not bad_bytes,
+                            f"engine refined the scale grid to {blk}: scales compared through the dequantized weight")
         self.report.add("values", m.name, "FusedMoE " + wn, "dequantized equal" if not bad_eff else "dequantized DIFFERS",
                         "dequantized equal", not bad_eff, f"max err {maxerr:.3g}" if bad_eff else "")
 
@@ -898,7 +920,7 @@ class VllmCheck:
                             refined = refine_fp8_moe_block_shape(cfg, block)
                         if refined is not None:
                             r.add(f"tp={tp}", g.prefix, "FusedMoE", f"loads, block refined to {refined}", "loads", True,
-                                  f"{what}; Triton MoE kernels only (refine_fp8_moe_block_shape)")
+                                  f"{what}; validation only, Triton MoE kernels only (refine_fp8_moe_block_shape); see the load rows")
                             continue
                         with mock.patch.object(vd, "get_tensor_model_parallel_world_size", lambda: tp):
                             fp8_utils.validate_fp8_block_shape_moe(int(ispp), block)
@@ -909,6 +931,10 @@ class VllmCheck:
                 klass = {"qkv": "QKVParallelLinear", "merged": "MergedColumnParallelLinear", "column": "ColumnParallelLinear",
                          "row": "RowParallelLinear", "replicated": "ReplicatedLinear"}[g.kind]
                 eff_tp = 1 if g.kind == "replicated" else tp
+                if g.kind == "qkv" and g.heads and g.heads[0] % tp:
+                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
+                          f"num_attention_heads {g.heads[0]} not divisible by tp {tp}")
+                    continue
                 if any(not float(s).is_integer() for s in sizes) or not float(insize).is_integer():
                     r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
                           f"sizes {_fmt_sizes(sizes)} x {insize} not divisible by tp")
@@ -927,7 +953,8 @@ class VllmCheck:
                 in_global = insize * eff_tp if g.kind == "row" else insize
                 what = f"per rank {_fmt_sizes(sizes)} x {insize}"
                 try:
-                    fp8_utils.validate_fp8_block_shape(layer, in_global, out_global, int(insize), sizes, block)
+                    with mock.patch.object(vd, "get_tensor_model_parallel_world_size", lambda: eff_tp):
+                        fp8_utils.validate_fp8_block_shape(layer, in_global, out_global, int(insize), sizes, block)
                 except ValueError as e:
                     r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False, f"{what}: {_short(e, 90)}")
                     continue
