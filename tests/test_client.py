@@ -209,7 +209,7 @@ def test_status_files_and_file(world, client):
     client.resolve(world["models"] / "good", poll_interval=0.01)
     key = client.last_key
     status = client.status(key)
-    assert status.ready and status.path == world["converted"] and status.recipe["target"] == "fnuz"
+    assert status.ready and status.path == world["converted"] and status.recipe["target"] == "ocp"
     assert client.files(key) == []  # the fake's converted dir holds no shards
     with pytest.raises(NotFoundError) as info:
         client.file(key, "model.safetensors")

@@ -292,3 +292,65 @@ def test_minimax_m3_is_refused_for_vllm(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="renames every weight_scale_inv to weight_scale"):
         convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", engine=Engine.VLLM)
     convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", engine="sglang")
+
+
+# -- the daemon ----------------------------------------------------------------------------------------------------
+
+
+def _daemon(tmp_path: Path, models: Path, platform: Platform):
+    from transformd.api.settings import Settings
+    from transformd.api.testing import DaemonThread, short_tempdir
+
+    run = short_tempdir()
+    settings = Settings(socket=run / "td.sock", cache_dir=tmp_path / "cache", allow_roots=[models], device="cpu",
+                        log_level="warning")
+    return DaemonThread(settings, platform=platform).start()
+
+
+def test_daemon_target_auto_engine_readiness_and_refusal(tmp_path: Path) -> None:
+    from transformd.api.testing import wait_ready
+
+    models = tmp_path / "models"
+    good = write_sample_checkpoint(models / "good", layers=1, experts=2)
+    odd = write_sample_checkpoint(models / "odd", layers=1, experts=2, hidden=320, moe_intermediate=224, head_dim=64)
+    daemon = _daemon(tmp_path, models, Platform("amd", "gfx942"))
+    try:
+        with daemon.client() as http:
+            health = http.get("/healthz").json()
+            assert health["platform"] == {"vendor": "amd", "arch": "gfx942", "name": None, "fnuz": True,
+                                          "mx_native": False}
+            r = http.post("/v1/checkpoints", json={"source": str(good), "engine": "vllm"})
+            assert r.status_code == 202 and "vllm loads block FP8 as e4m3fn" in r.json()["target_reason"]
+            ready = wait_ready(http, r.json()["key"])
+            assert ready["recipe"]["target"] == "ocp" and ready["readiness"]["vllm"]["loads_at"] == [1]
+            raw = http.post("/v1/checkpoints", json={"source": str(good)})  # no engine: a raw consumer on gfx942
+            assert raw.json()["key"] != r.json()["key"]
+            assert wait_ready(http, raw.json()["key"])["recipe"]["target"] == "fnuz"
+            hit = http.post("/v1/checkpoints", json={"source": str(good), "engine": "sglang"})
+            assert hit.status_code == 200 and hit.json()["key"] == r.json()["key"], "same bytes, same entry"
+            refused = http.post("/v1/checkpoints", json={"source": str(odd), "engine": "sglang"})
+            assert refused.status_code == 422, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "engine_cannot_load" and "not a multiple of 128" in error["message"]
+            conversions = http.get("/v1/cache").json()["conversions"]
+            assert all(c["source"] != str(odd) for c in conversions), "nothing started for a refused request"
+    finally:
+        daemon.stop()
+
+
+def test_daemon_on_native_mx_serves_the_source(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    good = write_sample_checkpoint(models / "good", layers=1, experts=2)
+    daemon = _daemon(tmp_path, models, Platform("amd", "gfx950"))
+    try:
+        with daemon.client() as http:
+            r = http.post("/v1/checkpoints", json={"source": str(good), "engine": "vllm"})
+            body = r.json()
+            assert r.status_code == 200 and body["state"] == "ready" and body["path"] == str(good.resolve())
+            assert body["key"] == "passthrough" and "native MX" in body["target_reason"]
+            outside = http.post("/v1/checkpoints", json={"source": str(tmp_path), "engine": "vllm"})
+            assert outside.status_code == 403, "the allowed roots hold for the source served as it is"
+            explicit = http.post("/v1/checkpoints", json={"source": str(good), "target": "ocp"})
+            assert explicit.status_code == 202, "an explicit target always converts"
+    finally:
+        daemon.stop()

@@ -121,6 +121,12 @@ def _fail(err: BaseException, code: int, stream: TextIO | None = None) -> int:
 def run_resolve(args: argparse.Namespace) -> int:
     """Handler of ``transformd resolve``."""
     reporter = ProgressReporter(sys.stderr, every_s=args.progress_every)
+    last: list[CheckpointStatus] = []
+
+    def progress(status: CheckpointStatus) -> None:
+        last[:] = [status]
+        reporter.update(status)
+
     try:
         with _client(args) as client:
             path = client.resolve(
@@ -129,7 +135,7 @@ def run_resolve(args: argparse.Namespace) -> int:
                 engine=args.engine,
                 scale_mode=args.scale_mode,
                 select=args.select,
-                progress=reporter.update,
+                progress=progress,
                 poll_interval=args.poll_interval,
                 timeout=args.timeout,
                 reconnect_s=args.reconnect,
@@ -141,8 +147,22 @@ def run_resolve(args: argparse.Namespace) -> int:
         reporter.close()
         return _fail("interrupted (the conversion goes on in the daemon)", 130)
     reporter.close()
+    if last:
+        _say_target_and_readiness(last[0].raw, args.engine)
     print(path, flush=True)
     return EXIT_OK
+
+
+def _say_target_and_readiness(body: dict[str, Any], engine: str | None) -> None:
+    """Why this target, and whether the engines load the result, on standard error (from the daemon's answer)."""
+    recipe = body.get("recipe") or {}
+    if body.get("target_reason"):
+        print(f"transformd: target {recipe.get('target', 'none')}: {body['target_reason']}", file=sys.stderr)
+    for name, r in (body.get("readiness") or {}).items():
+        if engine in (None, name) and isinstance(r, dict):
+            tps = r.get("loads_at") or []
+            said = f"loads at TP {','.join(map(str, tps))}" if tps else "does not load: " + "; ".join(r.get("problems", [])[:1])
+            print(f"transformd: {name}: {said}", file=sys.stderr)
 
 
 def run_health(args: argparse.Namespace) -> int:
