@@ -32,7 +32,9 @@ def test_convert_prints_out_dir_last(tmp_path: Path, capsys) -> None:
                                 "--device", "cpu")
     assert code == 0
     assert stdout[-1] == str(out)
-    assert stderr == [], "no progress bar when standard error is not a terminal"
+    # no progress bar when standard error is not a terminal; only the warnings that engines could not load the
+    # partial tiles of this checkpoint
+    assert stderr and all(line.startswith("transformd: warning: ") for line in stderr), stderr
     assert_converted(src, out, "ocp", "amax")
 
 
@@ -142,7 +144,7 @@ def test_extension_commands(capsys) -> None:
     args = parser.parse_args(["extra", "ls"])
     assert args.handler(args) == 0 and capsys.readouterr().out == "listed\n"
     args = parser.parse_args(["convert", "a", "--out", "b"])  # the built-in commands are still there
-    assert args.handler is cli._run_convert and args.out == Path("b") and args.target == "fnuz"
+    assert args.handler is cli._run_convert and args.out == Path("b") and args.target == "auto"
 
 
 def test_main_dispatches_extension_handlers(monkeypatch, capsys) -> None:
@@ -170,4 +172,4 @@ def test_console_entry_point_in_a_process(tmp_path: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and done.stdout == "" and "not empty" in done.stderr
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["quantization_config"]["transformd"]["target"] == "fnuz"
+    assert config["quantization_config"]["transformd"]["target"] == "ocp", "auto: a raw consumer without a GPU"

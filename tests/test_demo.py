@@ -22,7 +22,7 @@ def test_demo_converts_maps_reports_and_hits_the_cache(tmp_path: Path) -> None:
     assert "(converted)" in text and "mapped 81 tensors" in text and "float8_e4m3fnuz" in text
     assert "from the cache (cache hits: 1), same path: True" in text
     overall = next(line for line in lines if line.startswith("overall"))
-    assert "99.888" in overall  # bit-exact share of the sample in exact mode (README)
+    assert "99.877" in overall  # bit-exact share of the sample in exact mode (README)
     with safe_open(out / "model-00002-of-00002.safetensors", "pt") as f:
         assert any(name.endswith("weight_scale_inv") for name in f.keys())
     log = (tmp_path / "daemon.log").read_text()

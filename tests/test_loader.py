@@ -293,7 +293,7 @@ def test_load_from_daemon_when_ready(daemon_client, converted):
 def test_load_from_daemon_waits_shard_by_shard(daemon_client, converted):
     """Before the entry is ready, each shard is asked for by name and mapped once it is converted."""
     daemon, client, src = daemon_client
-    status = client.submit(src)
+    status = client.submit(src, target="fnuz")
     assert status.state == "queued"
     before = client.files(status.key)
     assert before and all(not f.ready and f.path is None and f.final_path for f in before)

@@ -29,6 +29,9 @@ from transformd.reference import convert_reference
 from transformd.safetensors_io import SafetensorsWriter, read_header, read_tensor
 from transformd.sample import write_sample_checkpoint
 
+#: Shapes with partial 128x128 tiles on every weight (the sample's defaults are engine-aligned).
+AWKWARD = {"hidden": 320, "moe_intermediate": 224, "head_dim": 64}
+
 from .test_checkpoint import assert_converted_sample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +78,7 @@ def assert_same_shards(expected: Path, got: Path) -> None:
 
 def sample(path: Path, **kw) -> Path:
     """A multi-shard sample: 4 layers over 4 shards after the BF16 one, matrices of 320 rows (partial tiles)."""
-    return write_sample_checkpoint(path, layers=4, experts=3, shards=5, **kw)
+    return write_sample_checkpoint(path, layers=4, experts=3, shards=5, **{**AWKWARD, **kw})
 
 
 def transformd_threads() -> list[str]:

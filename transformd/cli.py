@@ -167,28 +167,29 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _choose_target(args: argparse.Namespace) -> str | None:
-    """The concrete target for ``args`` (None: serve the source unconverted), said on standard error for auto."""
+def _choose_target(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The concrete target for ``args`` (None: serve the source unconverted) and why."""
     from .engines import choose_target, detect_platform
 
-    target, why = choose_target(args.target, args.engine, detect_platform() if args.target == "auto" else None)
-    if args.target == "auto":
-        print(f"transformd: target {target or 'none'}: {why}", file=sys.stderr)
-    return target
+    return choose_target(args.target, args.engine, detect_platform() if args.target == "auto" else None)
 
 
-def _print_readiness(report: dict, engine: str | None) -> None:
-    """Engine readiness on standard error: one line per engine; problems of engines that do not load."""
-    from .engines import readiness_summary
-
-    for line in readiness_summary(report):
-        print(f"transformd: {line}", file=sys.stderr)
+def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> None:
+    """After a conversion, on standard error: with ``--engine``, the target chosen and whether that engine loads
+    it; without, a warning for each engine that could not load it at any tensor-parallel size."""
+    if engine is not None:
+        print(f"transformd: target {target}: {why}", file=sys.stderr)
     for name, r in report.items():
-        if not r.loads and engine is None:
-            print(f"transformd: warning: {name} could not load this checkpoint (pass --engine to refuse)",
+        if engine == name:
+            said = f"loads at TP {','.join(map(str, r.loads_at))}"
+            print(f"transformd: {name}: {said}" + (f" (not at others: {r.problems[0]})" if r.problems else ""),
                   file=sys.stderr)
-        for warning in r.warnings if engine in (None, name) else ():
-            print(f"transformd: warning: {warning}", file=sys.stderr)
+        elif engine is None and not r.loads:
+            print(f"transformd: warning: {name} could not load this checkpoint at any TP size: {r.problems[0]}",
+                  file=sys.stderr)
+        if engine in (None, name):
+            for warning in r.warnings:
+                print(f"transformd: warning: {warning}", file=sys.stderr)
 
 
 def _positive_int(text: str) -> int:
@@ -203,12 +204,13 @@ def _positive_int(text: str) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    target = _choose_target(args)
+    target, why = _choose_target(args)
     if target is None:  # native MX: the source is what the engine should load
+        print(f"transformd: nothing converted: {why}", file=sys.stderr)
         print(args.src)
         return EXIT_OK
     if args.out is None:
-        return _run_convert_cached(args, target)
+        return _run_convert_cached(args, target, why)
     from .checkpoint import convert_checkpoint
 
     with _ProgressBar() as bar:
@@ -223,7 +225,7 @@ def _run_convert(args: argparse.Namespace) -> int:
             progress=bar.update,
             engine=args.engine,
         )
-    _print_readiness(result.readiness, args.engine)
+    _print_outcome(result.readiness, args.engine, target, why)
     if result.left_out:
         print(f"transformd: note: not referenced by the index, not carried over: {', '.join(result.left_out)}",
               file=sys.stderr)
@@ -235,7 +237,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_convert_cached(args: argparse.Namespace, target: str) -> int:
+def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     from .cache import Cache, Recipe
     from .checkpoint import check_engine, plan_conversion, plan_readiness
 
@@ -248,7 +250,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str) -> int:
         entry = cache.get_or_convert(
             args.src, Recipe(target=target, scale_mode=args.scale_mode, select=args.select), progress=bar.update
         )
-    _print_readiness(report, args.engine)
+    _print_outcome(report, args.engine, target, why)
     if args.report:
         from .report import compare_checkpoints
 

@@ -384,17 +384,3 @@ def _moe_problems(engine: Engine, layer: str, leaves: dict[str, tuple[int, ...]]
             note = " (vLLM's Triton MoE may refine the block, other backends refuse)"
         return [f"{layer}: MoE intermediate size per rank {per_rank} (= {inter} / {tp}) is not a multiple of {BLOCK}{note}"]
     return []
-
-
-def readiness_summary(report: Mapping[str, EngineReadiness]) -> list[str]:
-    """One line per engine, for people: ``vllm: loads at TP 1,2`` or ``sglang: does not load: <first problem>``."""
-    lines = []
-    for name, r in report.items():
-        if r.loads_at:
-            line = f"{name}: loads at TP {','.join(map(str, r.loads_at))}"
-            if r.problems:
-                line += f" (not at others: {r.problems[0]})"
-        else:
-            line = f"{name}: does not load: {r.problems[0] if r.problems else 'no TP size checked'}"
-        lines.append(line)
-    return lines

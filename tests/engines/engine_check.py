@@ -9,22 +9,35 @@ NOT part of the test suite and never run in CI (the file name does not start wit
 What it checks, with the engine's own code (only GPU kernels are stubbed):
 
 a. config.json's ``quantization_config`` through the engine's quantization-config machinery
-   (vLLM: EngineArgs -> ModelConfig._verify_quantization -> get_quant_config -> Fp8Config;
-   SGLang: ModelConfig quant detection -> Fp8Config.from_config), and what a leftover
-   ``hf_quant_config.json`` does to that detection.
-b. every linear module of the checkpoint (``X.weight`` 2-D/3-D, fused ``experts.gate_up_proj``):
-   does the engine treat it as FP8 or unquantized (its own get_quant_method /
-   is_layer_skipped with the model's packed/fused mapping), and does that match the tensor
-   (FP8 weight + float32 ``weight_scale_inv`` -> FP8; BF16/F16/F32 -> unquantized)? Any
-   leftover MX tensor (U8/F8_E8M0 scale, a ``*_scale`` that is not F32) fails too.
-c. per TP size: the engine's block-shape validation for merged (qkv, gate_up), row-parallel
-   and MoE layers: which TP sizes load, and which load with misaligned scales.
-d. weight loading (vLLM): the real model class is instantiated on the CPU and its own
-   ``load_weights`` is fed the checkpoint; loaded FP8 bytes must equal the checkpoint bytes,
-   loaded scales must equal ``weight_scale_inv``, and the dequantized weight the engine will
-   use (per 128x128 tile of the *merged* parameter) must equal the checkpoint's. If the model
-   cannot be built, single layers (QKVParallelLinear, RowParallelLinear, FusedMoE) are used.
+   (vLLM: EngineArgs.create_engine_config -> ModelConfig._verify_quantization -> get_quant_config;
+   SGLang: ModelConfig.from_server_args -> model_loader._get_quantization_config), and whether a
+   leftover ``hf_quant_config.json`` changes that detection (run again without it, and without
+   config.json's quantization_config to show what the engine would then read).
+b. every linear weight of the checkpoint (``X.weight`` 2-D/3-D, fused ``experts.gate_up_proj``):
+   the real model class is built on the CPU with the engine's Fp8Config, and the quant method
+   of the layer that receives the weight (FP8 or unquantized, through the model's own
+   packed/fused mapping and is_layer_skipped) must match the tensor: FP8 weight + float32
+   ``weight_scale_inv`` -> FP8; BF16/F16/F32 -> unquantized. Leftover MX tensors (U8/F8_E8M0,
+   a ``*_scale`` that is not F32) fail too. If the model cannot be built, the decision falls
+   back to the engine's is_layer_skipped with generic name rules (and says so).
+c. per TP size: the engine's block-shape validation (vLLM fp8_utils.validate_fp8_block_shape,
+   ColumnParallelLinear._maybe_allow_fp8_block_shape_mismatch, refine_fp8_moe_block_shape,
+   validate_fp8_block_shape_moe; SGLang Fp8LinearMethod.validate_block_quant_shapes and the MoE
+   rule of Fp8MoEMethod) on the merged layers per rank: which TP sizes load, which are refused,
+   and which load with a shard that starts inside a 128-row scale block (silently wrong).
+d. weight loading: the model's own ``load_weights`` gets the checkpoint (all tensors at once, and
+   one by one if that raises); parameters it never writes are reported (vLLM's
+   track_weights_loading; SGLang: parameters poisoned with NaN beforehand), the loaded FP8 bytes
+   must equal the checkpoint's, the loaded scale must equal ``weight_scale_inv``, and the
+   dequantized weight the engine's block GEMM would use (fp8 x scale of its 128x128 tile of the
+   *merged* parameter) must equal the checkpoint's, for every linear layer and expert.
 e. a table and ``engine_check: N passed, M failed``; exit status 1 on any failure.
+
+Stubbed, GPU only: vLLM's block-FP8 GEMM kernel choice (init_fp8_linear_kernel raises on a CPU
+without AMX) and, where it raises, the FP8 MoE backend choice; for SGLang the ``vllm._custom_ops``
+module its CPU rotary embedding imports. Nothing is run through a GEMM. SGLang refuses to build
+some models (block checks at layer creation): the refusal is recorded as a failure and the
+build goes on with that check bypassed, so that the rest can still be examined.
 """
 
 from __future__ import annotations
@@ -277,11 +290,9 @@ _EXPERT_ROLES = {
 _PER_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
 _FUSED_EXPERT_MOD = re.compile(r"^(?P<moe>.*\.experts)\.(?P<proj>gate_up_proj|down_proj|w13_weight|w2_weight)$")
 
-KNOWN_ARCHS = {
-    "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-    "Qwen2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "MiniMaxM2ForCausalLM",
-    "MixtralForCausalLM", "GptOssForCausalLM",
-}
+#: Architectures this script was run on (synthetic checkpoints, both engines); others go through
+#: the engine's model class all the same, with a note.
+KNOWN_ARCHS = {"Qwen3MoeForCausalLM", "LlamaForCausalLM", "DeepseekV3ForCausalLM", "MiniMaxM2ForCausalLM"}
 
 DEFAULT_PACKED = {
     "qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -297,6 +308,7 @@ class EngineModule:
     kind: str  # "linear" | "moe" | "embedding"
     shard: str | None  # "q"/"k"/"v", index in a merged layer, or the expert role
     expert: int | None = None
+    siblings: list[str] = field(default_factory=list)  # checkpoint modules of the merged layer, in order
 
 
 def engine_module_for(name: str, packed: dict[str, list[str]], arch_cfg: dict[str, Any]) -> EngineModule:
@@ -314,7 +326,7 @@ def engine_module_for(name: str, packed: dict[str, list[str]], arch_cfg: dict[st
             base = name[: -len(last)] + fused
             shard: str = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}.get(last, str(parts.index(last))) \
                 if fused == "qkv_proj" else str(parts.index(last))
-            return EngineModule(base, "linear", shard)
+            return EngineModule(base, "linear", shard, siblings=[name[: -len(last)] + p for p in parts])
     return EngineModule(name, "linear", None)
 
 
@@ -334,6 +346,7 @@ class Merged:
     heads: tuple[int, int, int] | None = None  # (num_heads, num_kv_heads, head_dim) for qkv
     moe_intermediate: int | None = None
     hidden: int | None = None
+    klass: str = ""
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -454,7 +467,6 @@ class VllmCheck:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        import torch  # noqa: F401
         import vllm
 
         self.version = vllm.__version__
@@ -535,7 +547,6 @@ class VllmCheck:
             try:
                 vc = self._engine_config(t2)
                 m3, n3 = vc.model_config.quantization, type(vc.quant_config).__name__
-                ok = m3 == "fp8" or (n3 in ("ModelOptFp8Config",) and "PB" not in json.dumps(ckpt.hf_quant_config))
                 r.add("config", "hf_quant_config.json alone (no quantization_config)", "ModelConfig", f"{m3}/{n3}",
                       "info", None, "what vLLM would read if config.json lost its quantization_config")
             except Exception as e:
@@ -559,6 +570,9 @@ class VllmCheck:
                             False, _short(e))
 
     # ---- model --------------------------------------------------------------------------
+
+    def _ready(self) -> bool:
+        return self.vllm_config is not None
 
     def _init_dist(self) -> None:
         import tempfile
@@ -621,7 +635,7 @@ class VllmCheck:
     def check_modules(self, mods: list[CkModule]) -> None:
         r = self.report
         model = None
-        if self.vllm_config is not None and self.build_model:
+        if self._ready() and self.build_model:
             try:
                 model = self.build()
             except Exception as e:
@@ -629,11 +643,13 @@ class VllmCheck:
                       "model builds", False, _short(e, 200))
                 traceback.print_exc()
         if model is None:
-            r.note("falling back to per-layer decisions without the model (rules + Fp8Config.get_quant_method)")
+            r.note("model not built: decisions from the engine's is_layer_skipped with generic name rules (q/k/v->qkv_proj, "
+                   "gate/up->gate_up_proj, *.experts.E.*->FusedMoE), assuming the model passes quant_config to every layer")
             self._decide_without_model(mods)
             self._load_single_layers(mods)
             return
         r.add("model", "initialize_model", type(model).__name__, "built on CPU", "model builds", True)
+        self._model = model
         self._decide_with_model(model, mods)
         self._load_with_model(model, mods)
 
@@ -689,8 +705,15 @@ class VllmCheck:
             name, mod, em = self._owner(model, owners, m)
             self._owners[m.name] = (name, mod, em)
             if mod is None:
-                r.add("modules", m.name, "-", "no engine module", m.expected, False,
-                      f"vLLM {type(model).__name__} has no layer for this tensor")
+                try:
+                    plain = model.get_submodule(em.prefix if em.kind != "moe" else m.name)
+                except Exception:
+                    plain = None
+                if plain is not None and any(n == "weight" for n, _ in plain.named_parameters(recurse=False)):
+                    self._row(m, f"{type(plain).__name__} (no quant_method)", "unquantized")
+                else:
+                    r.add("modules", m.name, "-", "no engine module", m.expected, False,
+                          f"{self.engine} {type(model).__name__} has no layer for this tensor")
                 continue
             qm = mod.quant_method
             dec = self._decision(qm)
@@ -715,9 +738,17 @@ class VllmCheck:
         r = self.report
         loaded: set[str] = set()
         failures = 0
-        # One tensor per call, so that one bad tensor does not hide the others.
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            for name in sorted(self.ckpt.tensors, key=_natural):
+            try:  # as the engine does: every tensor through one load_weights call
+                loaded |= set(model.load_weights(self.ckpt.iter_weights()) or ())
+                names: list[str] = []
+            except Exception as e:
+                failures += 1
+                r.add("load", "model.load_weights(all tensors at once)", type(model).__name__, f"raised {type(e).__name__}",
+                      "loads", False, _short(e, 140) + "; tensors retried one by one below")
+                names = sorted(self.ckpt.tensors, key=_natural)
+            # One tensor per call, so that one bad tensor does not hide the others.
+            for name in names:
                 try:
                     got = model.load_weights(iter([(name, self.ckpt.load(name))]))
                     loaded |= set(got or ())
@@ -796,10 +827,17 @@ class VllmCheck:
         if em.shard in ("q", "k", "v") and hasattr(mod, "_get_shard_offset_mapping"):
             return int(mod._get_shard_offset_mapping(em.shard))
         sizes = getattr(mod, "output_sizes", None)
-        if sizes is not None and em.shard.isdigit():
+        if sizes is not None and len(sizes) > 1 and em.shard.isdigit():
             tp = getattr(mod, "tp_size", 1)
             return sum(sizes[: int(em.shard)]) // tp
-        return 0
+        # a single-output layer the model fills by concatenating the shards itself (SGLang's
+        # fused_qkv_a_proj_with_mqa): the shards follow each other in mapping order
+        idx = {"q": 0, "k": 1, "v": 2}.get(em.shard, int(em.shard) if em.shard.isdigit() else 0)
+        off = 0
+        for sib in em.siblings[:idx]:
+            t = self.ckpt.tensors.get(sib + ".weight")
+            off += t.shape[-2] if t is not None else 0
+        return off
 
     def _compare_moe(self, m: CkModule, owner_name: str, params: dict, em: EngineModule, w_ck, s_ck) -> None:
         import torch
@@ -831,16 +869,17 @@ class VllmCheck:
             if not torch.equal(We[off: off + n].view(torch.uint8), wc.view(torch.uint8)):
                 bad_bytes += 1
             blk = scale_block(Se.shape[0], Se.shape[1], We.shape[0], We.shape[1])
-            if blk == (BLOCK, BLOCK) and off % BLOCK == 0:
+            if blk == (BLOCK, BLOCK):
                 se = Se[off // BLOCK: off // BLOCK + sc.shape[0]]
-                if se.shape != sc.shape or not torch.equal(se, sc):
-                    bad_scale += 1
+                if off % BLOCK or se.shape != sc.shape or not torch.equal(se, sc):
+                    bad_scale += 1  # an up shard that starts inside a block cannot have its own scales
             eff = eff_all[off: off + n]
             ref = dequant(wc, sc)
             if eff.shape != ref.shape or not torch.equal(eff, ref):
                 bad_eff += 1
                 if eff.shape == ref.shape:
-                    maxerr = max(maxerr, (eff - ref).abs().max().item())
+                    d = (eff - ref).abs().max().item()
+                    maxerr = d if math.isnan(d) else max(maxerr, d)
         blk = scale_block(S.shape[-2], S.shape[-1], W.shape[-2], W.shape[-1])
         if blk == (BLOCK, BLOCK):
             self.report.add("values", m.name, "FusedMoE " + wn,
@@ -851,13 +890,13 @@ class VllmCheck:
                             "bytes =", not bad_bytes,
                             f"engine refined the scale grid to {blk}: scales compared through the dequantized weight")
         self.report.add("values", m.name, "FusedMoE " + wn, "dequantized equal" if not bad_eff else "dequantized DIFFERS",
-                        "dequantized equal", not bad_eff, f"max err {maxerr:.3g}" if bad_eff else "")
+                        "dequantized equal", not bad_eff,
+                        (f"max err {maxerr:.3g}" + (" (engine holds NaN: never written)" if math.isnan(maxerr) else ""))
+                        if bad_eff else "")
 
     # ---- fallback without the model ------------------------------------------------------
 
     def _decide_without_model(self, mods: list[CkModule]) -> None:
-        from vllm.model_executor.layers.linear import LinearBase
-
         qc = self.quant_config
         if qc is None:
             return
@@ -882,7 +921,51 @@ class VllmCheck:
                       f"-> {em.prefix} (quant_config assumed passed by the model)")
 
     def _load_single_layers(self, mods: list[CkModule]) -> None:
-        self.report.note("single-layer load check not run (model could not be built)")
+        """Without the model: one real QKVParallelLinear and one RowParallelLinear with the engine's
+        Fp8Config, filled through their own weight_loader (FusedMoE is not built outside a model)."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+
+        r, qc = self.report, self.quant_config
+        if self.vllm_config is None or qc is None:
+            r.note("single-layer load check not run (no engine config)")
+            return
+        by = {m.name: m for m in mods if m.expected == "fp8" and m.weight.shape.__len__() == 2}
+        q = next((m for m in by.values() if m.name.endswith(".q_proj")), None)
+        row = next((m for m in by.values() if re.search(r"\.(o_proj|down_proj)$", m.name) and ".experts." not in m.name), None)
+        self._stub_gpu()
+        self._init_dist()
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            if q is not None:
+                base = q.name[: -len("q_proj")]
+                k, v = by.get(base + "k_proj"), by.get(base + "v_proj")
+                tc = text_config(self.ckpt.config)
+                hd = tc.get("head_dim") or q.n // max(1, tc.get("num_attention_heads", 1))
+                if k is not None and v is not None and hd:
+                    try:
+                        layer = QKVParallelLinear(q.k, hd, q.n // hd, k.n // hd, bias=False, quant_config=qc,
+                                                  prefix=base + "qkv_proj")
+                        for sid, m in (("q", q), ("k", k), ("v", v)):
+                            for pn, t in (("weight", m.weight.name), ("weight_scale_inv", m.scale.name)):
+                                p = getattr(layer, pn)
+                                p.weight_loader(p, self.ckpt.load(t), sid)
+                        for sid, m in (("q", q), ("k", k), ("v", v)):
+                            self._compare(m, base + "qkv_proj", layer, EngineModule(base + "qkv_proj", "linear", sid))
+                    except Exception as e:
+                        r.add("values", base + "qkv_proj", "QKVParallelLinear", f"raised {type(e).__name__}", "loads",
+                              False, _short(e))
+            if row is not None:
+                try:
+                    layer = RowParallelLinear(row.k, row.n, bias=False, quant_config=qc, prefix=row.name)
+                    for pn, t in (("weight", row.weight.name), ("weight_scale_inv", row.scale.name)):
+                        p = getattr(layer, pn)
+                        p.weight_loader(p, self.ckpt.load(t))
+                    self._compare(row, row.name, layer, EngineModule(row.name, "linear", None))
+                except Exception as e:
+                    r.add("values", row.name, "RowParallelLinear", f"raised {type(e).__name__}", "loads", False, _short(e))
+        r.note("model not built: single QKVParallelLinear/RowParallelLinear layers loaded through their weight_loader; "
+               "FusedMoE is not built outside a model, so experts were not load-checked")
 
     # ---- c. TP block-shape validation ---------------------------------------------------
 
@@ -901,6 +984,7 @@ class VllmCheck:
         if mc is not None:
             packed.update(getattr(mc, "packed_modules_mapping", {}) or {})
         groups = merged_layers(mods, packed, self.ckpt.config)
+        refine_kinds(groups, getattr(self, "_model", None))
         try:
             from vllm.model_executor.layers.fused_moe.oracle.fp8 import refine_fp8_moe_block_shape
         except Exception:
@@ -928,8 +1012,11 @@ class VllmCheck:
                     except ValueError as e:
                         r.add(f"tp={tp}", g.prefix, "FusedMoE", "rejected", "loads", False, f"{what}: {_short(e, 90)}")
                     continue
-                klass = {"qkv": "QKVParallelLinear", "merged": "MergedColumnParallelLinear", "column": "ColumnParallelLinear",
-                         "row": "RowParallelLinear", "replicated": "ReplicatedLinear"}[g.kind]
+                klass = g.klass or {"qkv": "QKVParallelLinear", "merged": "MergedColumnParallelLinear",
+                                    "column": "ColumnParallelLinear", "row": "RowParallelLinear",
+                                    "replicated": "ReplicatedLinear"}[g.kind]
+                if g.kind == "replicated":
+                    klass += " (no TP split)"
                 eff_tp = 1 if g.kind == "replicated" else tp
                 if g.kind == "qkv" and g.heads and g.heads[0] % tp:
                     r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
@@ -982,15 +1069,39 @@ class VllmCheck:
         return self.model_cls
 
 
+def refine_kinds(groups: list[Merged], model) -> None:
+    """Take each layer's parallel style from the built model where it has the layer (e.g. DeepSeek's
+    fused_qkv_a_proj is a MergedColumnParallelLinear with disable_tp: replicated on every rank)."""
+    if model is None:
+        return
+    for g in groups:
+        try:
+            mod = model.get_submodule(g.prefix)
+        except Exception:
+            continue
+        cls = type(mod).__name__
+        g.klass = cls
+        if g.kind == "moe":
+            continue
+        if "Replicated" in cls or getattr(mod, "disable_tp", False) or cls == "GateLinear":
+            g.kind = "replicated"
+            if len(getattr(mod, "output_sizes", None) or [0]) <= 1 and len(g.shard_sizes) > 1:
+                g.shard_sizes = [sum(g.shard_sizes)]  # one output: the engine fuses the shards itself
+        elif "RowParallel" in cls:
+            g.kind = "row"
+        elif g.kind == "row" and "Column" in cls:
+            g.kind = "column"
+
+
 def _dedupe_layers(groups: list[Merged]) -> list[Merged]:
     """One representative per distinct shape (layers repeat)."""
     seen: dict[tuple, Merged] = {}
     for g in groups:
-        key = (re.sub(r"\.\d+\.", ".N.", g.prefix), g.kind, tuple(g.shard_sizes), g.input_size, g.heads, g.moe_intermediate)
+        key = (re.sub(r"\.\d+\.", ".N.", g.prefix), g.kind, g.klass, tuple(g.shard_sizes), g.input_size, g.heads, g.moe_intermediate)
         seen.setdefault(key, g)
     out = []
     for key, g in seen.items():
-        out.append(Merged(key[0], g.kind, g.shard_sizes, g.input_size, g.heads, g.moe_intermediate, g.hidden))
+        out.append(Merged(key[0], g.kind, g.shard_sizes, g.input_size, g.heads, g.moe_intermediate, g.hidden, g.klass))
     return out
 
 
@@ -1003,7 +1114,328 @@ def _link_tree(src: Path, dst: Path, skip: set[str]) -> None:
 
 def _short(e: BaseException | str, n: int = 140) -> str:
     s = str(e).replace("\n", " ")
+    if not s and isinstance(e, BaseException) and e.__traceback__ is not None:
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        s = f"{type(e).__name__} at {Path(tb.filename).name}:{tb.lineno} ({tb.line})"
     return s if len(s) <= n else s[: n - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------
+# SGLang
+# --------------------------------------------------------------------------------------
+
+
+def _stub_vllm_custom_ops() -> None:
+    """SGLang's CPU rotary embedding imports ``vllm._custom_ops`` (a CUDA extension): stub that module only."""
+    import types
+
+    if "vllm" in sys.modules:
+        return
+    pkg, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
+
+    def _kernel(*a, **k):
+        raise RuntimeError("engine_check stub: vllm._custom_ops kernels are not available")
+
+    ops.__getattr__ = lambda name: _kernel  # type: ignore[attr-defined]
+    pkg._custom_ops = ops  # type: ignore[attr-defined]
+    pkg.__path__ = []  # type: ignore[attr-defined]
+    sys.modules["vllm"], sys.modules["vllm._custom_ops"] = pkg, ops
+    stub("SGLang: `vllm._custom_ops` (imported by SGLang's RotaryEmbedding on CPU; CUDA kernels, never called here)")
+
+
+class SglangCheck(VllmCheck):
+    engine = "sglang"
+
+    def __init__(self, ckpt: Checkpoint, report: Report, tps: list[int], build_model: bool) -> None:
+        self.ckpt, self.report, self.tps, self.build_model = ckpt, report, tps, build_model
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        import sglang
+
+        self.version = sglang.__version__
+        self.quant_config = None
+        self.model_config = None
+        self.server_args = None
+        self.model_cls = None
+        self.build_errors: list[str] = []
+
+    def _model_config(self, path: Path):
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.server_args import ServerArgs
+
+        sa = ServerArgs(model_path=str(path), device="cpu", skip_tokenizer_init=True)
+        return sa, ModelConfig.from_server_args(sa)
+
+    def _quant(self, mc):
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.model_loader.loader import _get_quantization_config
+
+        return _get_quantization_config(mc, LoadConfig())
+
+    def check_config(self) -> None:
+        r, ckpt = self.report, self.ckpt
+        try:
+            sa, mc = self._model_config(ckpt.path)
+            qcfg = self._quant(mc)
+        except Exception as e:
+            r.add("config", "quantization_config", "ModelConfig", f"raised {type(e).__name__}", "fp8 / Fp8Config", False,
+                  _short(e))
+            return
+        self.server_args, self.model_config, self.quant_config = sa, mc, qcfg
+        name = type(qcfg).__name__ if qcfg is not None else "None"
+        r.add("config", "quant method (ModelConfig)", "ModelConfig", str(mc.quantization), "fp8", mc.quantization == "fp8")
+        r.add("config", "quant config class (_get_quantization_config)", name, name, "Fp8Config", name == "Fp8Config")
+        if name == "Fp8Config":
+            wbs = list(qcfg.weight_block_size or [])
+            r.add("config", "weight_block_size", name, str(wbs), "[128, 128]", wbs == [128, 128])
+            r.add("config", "activation_scheme", name, str(qcfg.activation_scheme), "dynamic",
+                  qcfg.activation_scheme == "dynamic")
+            r.add("config", "use_mxfp8", name, str(getattr(qcfg, "use_mxfp8", False)), "False",
+                  not getattr(qcfg, "use_mxfp8", False))
+            ign = list(qcfg.ignored_layers or [])
+            wild = [x for x in ign if any(c in x for c in "*?[")]
+            r.add("config", "ignored_layers (as parsed)", name, json.dumps(ign)[:80], "dotted module paths", not wild,
+                  f"SGLang matches dotted paths, no patterns: {wild} never match" if wild else "")
+        if ckpt.hf_quant_config is not None:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="engine_check_") as tmp:
+                t = Path(tmp) / "no_hfq"
+                _link_tree(ckpt.path, t, skip={"hf_quant_config.json"})
+                try:
+                    _, mc2 = self._model_config(t)
+                    q2 = self._quant(mc2)
+                    same = (mc2.quantization, type(q2).__name__) == (mc.quantization, name)
+                    r.add("config", "hf_quant_config.json present vs removed", "ModelConfig",
+                          f"{mc.quantization}/{name} vs {mc2.quantization}/{type(q2).__name__}", "same", same)
+                except Exception as e:
+                    r.add("config", "hf_quant_config.json removed", "ModelConfig", f"raised {type(e).__name__}", "same",
+                          False, _short(e))
+                t2 = Path(tmp) / "only_hfq"
+                _link_tree(ckpt.path, t2, skip={"config.json"})
+                cfg = dict(ckpt.config)
+                cfg.pop("quantization_config", None)
+                (t2 / "config.json").write_text(json.dumps(cfg))
+                try:
+                    _, mc3 = self._model_config(t2)
+                    r.add("config", "hf_quant_config.json alone (no quantization_config)", "ModelConfig",
+                          str(mc3.quantization), "info", None, "what SGLang would read if config.json lost it")
+                except Exception as e:
+                    r.add("config", "hf_quant_config.json alone (no quantization_config)", "ModelConfig",
+                          f"raised {type(e).__name__}", "info", None, _short(e))
+
+    def _init_runtime(self) -> None:
+        import tempfile
+
+        from sglang.srt.distributed import parallel_state as ps
+        from sglang.srt.runtime_context import SpawnRanks, publish
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+        set_global_server_args_for_scheduler(self.server_args)
+        publish(self.server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=None))
+        if ps._WORLD is None:
+            f = tempfile.mktemp(prefix="engine_check_dist_")
+            ps.init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                            distributed_init_method=f"file://{f}")
+            ps.initialize_model_parallel()
+
+    def build(self):
+        import torch
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.layers.quantization import fp8 as sfp8
+        from sglang.srt.model_loader.loader import _initialize_model
+
+        _stub_vllm_custom_ops()
+        self._init_runtime()
+        orig = sfp8.Fp8LinearMethod.validate_block_quant_shapes
+        errors = self.build_errors
+
+        def validate(layer, *a, **k):
+            try:
+                return orig(layer, *a, **k)
+            except ValueError as e:  # record, and build on so that the rest can be checked
+                sizes = k.get("output_partition_sizes", a[5] if len(a) > 5 else "?")
+                errors.append(f"{type(layer).__name__} shards {sizes}: {e}")
+
+        orig_moe = sfp8.Fp8MoEMethod.create_fp8_moe_weight_
+
+        def create_moe(layer, *a, **k):
+            try:
+                return orig_moe(layer, *a, **k)
+            except ValueError as e:
+                # The MoE block check is inline; record it, then rebuild with only that check bypassed
+                # (the "aiter padding == block" exemption, without aiter's padding of the sizes).
+                errors.append(f"{type(layer).__name__} layer {getattr(layer, 'layer_id', '?')}: {e}")
+                saved = (sfp8._use_aiter, sfp8.get_moe_padding_size, sfp8.get_moe_weight_sizes)
+                bn = (self.quant_config.weight_block_size or [BLOCK])[0]
+                sfp8._use_aiter = True
+                sfp8.get_moe_padding_size = lambda *_a, **_k: bn
+                sfp8.get_moe_weight_sizes = lambda *aa, **kk: saved[2](*aa, **{**kk, "is_aiter_moe": False})
+                try:
+                    return orig_moe(layer, *a, **k)
+                finally:
+                    sfp8._use_aiter, sfp8.get_moe_padding_size, sfp8.get_moe_weight_sizes = saved
+
+        sfp8.Fp8LinearMethod.validate_block_quant_shapes = staticmethod(validate)
+        sfp8.Fp8MoEMethod.create_fp8_moe_weight_ = staticmethod(create_moe)
+        try:
+            with torch.device("cpu"):
+                model = _initialize_model(self.model_config, LoadConfig(), self.quant_config)
+        finally:
+            sfp8.Fp8LinearMethod.validate_block_quant_shapes = staticmethod(orig)
+            sfp8.Fp8MoEMethod.create_fp8_moe_weight_ = staticmethod(orig_moe)
+        for err in errors:
+            self.report.add("model", err.split(":")[0], "Fp8 block-shape check",
+                            "REJECTS (model build fails)", "accepts", False, _short(err.split(":", 1)[1].strip(), 110))
+        if errors:
+            self.report.note("SGLang refuses to build this model (rows above); the check went on with that validation "
+                             "recorded instead of raised, to examine the rest")
+        return model
+
+    def _ready(self) -> bool:
+        return self.model_config is not None
+
+    def _load_single_layers(self, mods: list[CkModule]) -> None:
+        self.report.note("SGLang: model not built, so no load check (decisions and TP rules only)")
+
+    def _map_name(self, model, weight_name: str):
+        return weight_name, None
+
+    def _load_with_model(self, model, mods: list[CkModule]) -> None:
+        import torch
+
+        r = self.report
+        # Poison every parameter, so that what the loader did not write is visible.
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype.is_floating_point and p.element_size() >= 2:
+                    p.data.fill_(float("nan"))
+                elif p.element_size() == 1:
+                    p.data.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
+        failures = 0
+        with torch.no_grad():
+            try:  # as the engine does: every tensor through one load_weights call
+                model.load_weights(self.ckpt.iter_weights())
+                names: list[str] = []
+            except Exception as e:
+                failures += 1
+                r.add("load", "model.load_weights(all tensors at once)", type(model).__name__, f"raised {type(e).__name__}",
+                      "loads", False, _short(e, 140) + "; tensors retried one by one below")
+                names = sorted(self.ckpt.tensors, key=_natural)
+            for name in names:
+                try:
+                    model.load_weights(iter([(name, self.ckpt.load(name))]))
+                except Exception as e:
+                    failures += 1
+                    t = self.ckpt.tensors[name]
+                    r.add("load", name, type(model).__name__ + ".load_weights", f"raised {type(e).__name__}", "loads",
+                          False, f"{t.dtype} {list(t.shape)}: {_short(e, 110)}")
+        if not failures:
+            r.add("load", "model.load_weights(every tensor)", type(model).__name__, "loaded", "loads", True)
+        bad = 0
+        # KV-cache scales fall back to defaults when a checkpoint has none (vLLM's tracker exempts them too).
+        kv = {f"{n}.{pn}" for n, mod in model.named_modules() if "KVCache" in type(getattr(mod, "quant_method", None)).__name__
+              for pn, _ in mod.named_parameters(recurse=False)}
+        for pname, p in model.named_parameters():
+            if pname in kv or re.search(r"\.(k|v|q|prob)_scale$", pname):
+                continue
+            d = p.data
+            if d.element_size() == 1:
+                nan = d.view(torch.uint8) == 0x7F
+            elif d.dtype.is_floating_point:
+                nan = torch.isnan(d)
+            else:
+                continue
+            if nan.all():
+                bad += 1
+                r.add("load", pname, "-", "never written by load_weights", "loaded", False, "silently garbage")
+            elif nan.any() and d.element_size() != 1:
+                bad += 1
+                r.add("load", pname, "-", f"partly written ({int(nan.sum())} of {d.numel()} left)", "loaded", False)
+        if not bad:
+            r.add("load", "every parameter written", type(model).__name__, "all written", "all written", True)
+        for m in mods:
+            if m.expected != "fp8":
+                continue
+            name, mod, em = self._owners.get(m.name, ("", None, None))
+            if mod is None or self._decision(mod.quant_method) != "fp8":
+                continue
+            try:
+                self._compare(m, name, mod, em)
+            except Exception as e:
+                r.add("values", m.name, type(mod).__name__, f"compare raised {type(e).__name__}", "equal", False, _short(e))
+
+    def _decide_without_model(self, mods: list[CkModule]) -> None:
+        from sglang.srt.layers.quantization.utils import is_layer_skipped
+
+        qc = self.quant_config
+        if qc is None:
+            return
+        packed = dict(DEFAULT_PACKED)
+        packed.update(getattr(qc, "packed_modules_mapping", {}) or {})
+        for m in mods:
+            em = engine_module_for(m.name, packed, text_config(self.ckpt.config))
+            if em.kind == "embedding":
+                self._row(m, "VocabParallelEmbedding(rule)", "unquantized")
+                continue
+            try:
+                dec = "unquantized" if is_layer_skipped(em.prefix, list(qc.ignored_layers or []), fused_mapping=packed) else "fp8"
+            except Exception as e:
+                dec = f"raised {type(e).__name__}: {_short(e, 60)}"
+            self._row(m, ("FusedMoE" if em.kind == "moe" else "LinearBase") + "(is_layer_skipped)", dec,
+                      f"-> {em.prefix} (quant_config assumed passed by the model)")
+
+    def check_tp(self, mods: list[CkModule]) -> None:
+        from types import SimpleNamespace
+
+        from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod
+
+        r = self.report
+        qc = self.quant_config
+        block = list(getattr(qc, "weight_block_size", None) or [BLOCK, BLOCK])
+        qcs = SimpleNamespace(weight_block_size=block)
+        packed = dict(DEFAULT_PACKED)
+        packed.update(getattr(qc, "packed_modules_mapping", {}) or {})
+        groups = merged_layers(mods, packed, self.ckpt.config)
+        refine_kinds(groups, getattr(self, "_model", None))
+        for tp in self.tps:
+            for g in _dedupe_layers(groups):
+                sizes, insize = per_rank(g, tp)
+                if g.kind == "moe":
+                    ispp = g.moe_intermediate / tp
+                    what = f"I/tp={_fmt_sizes([ispp])}"
+                    # fp8.py Fp8MoEMethod.create_weights (inline in SGLang 0.5.23, no refinement):
+                    # I/tp % block_n, and for tp > 1 I/tp % block_k.
+                    ok = float(ispp).is_integer() and ispp % block[0] == 0 and (tp == 1 or ispp % block[1] == 0)
+                    r.add(f"tp={tp}", g.prefix, "FusedMoE", "loads" if ok else "rejected", "loads", ok,
+                          what + ("" if ok else f": not a multiple of {block[0]} (Fp8MoEMethod.create_weights)"))
+                    continue
+                klass = g.klass or {"qkv": "QKVParallelLinear", "merged": "MergedColumnParallelLinear",
+                                    "column": "ColumnParallelLinear", "row": "RowParallelLinear",
+                                    "replicated": "ReplicatedLinear"}[g.kind]
+                if g.kind == "replicated":
+                    klass += " (no TP split)"
+                eff_tp = 1 if g.kind == "replicated" else tp
+                if g.kind == "qkv" and g.heads and g.heads[0] % tp:
+                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
+                          f"num_attention_heads {g.heads[0]} not divisible by tp {tp}")
+                    continue
+                if any(not float(s).is_integer() for s in sizes) or not float(insize).is_integer():
+                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
+                          f"sizes {_fmt_sizes(sizes)} x {insize} not divisible by tp")
+                    continue
+                sizes = [int(s) for s in sizes]
+                layer = SimpleNamespace(tp_group=SimpleNamespace(world_size=eff_tp))
+                out_global = sum(sizes) * eff_tp if g.kind != "row" else sum(sizes)
+                in_global = int(insize) * eff_tp if g.kind == "row" else int(insize)
+                what = f"per rank {_fmt_sizes(sizes)} x {insize}"
+                try:
+                    Fp8LinearMethod.validate_block_quant_shapes(layer, qcs, in_global, int(insize), out_global, sum(sizes),
+                                                                sizes)
+                    r.add(f"tp={tp}", g.prefix, klass, "loads", "loads", True, what)
+                except ValueError as e:
+                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False, f"{what}: {_short(e, 90)}")
 
 
 # --------------------------------------------------------------------------------------
@@ -1017,9 +1449,9 @@ def run(engine: str, out_dir: str, tps: list[int], build_model: bool = True) -> 
     archs = ckpt.architectures
     known = [a for a in archs if a in KNOWN_ARCHS]
     if not known:
-        report.note(f"architectures {archs} not in this script's known list {sorted(KNOWN_ARCHS)}: generic name rules "
-                    "(q/k/v->qkv_proj, gate/up->gate_up_proj, *.experts.E.*->FusedMoE) are used where the engine's "
-                    "model class gives no mapping")
+        report.note(f"architectures {archs} are not among those this script was tried on ({', '.join(sorted(KNOWN_ARCHS))}): "
+                    "it relies on the engine's own model class; if the engine cannot build it, generic name rules "
+                    "(q/k/v->qkv_proj, gate/up->gate_up_proj, *.experts.E.*->FusedMoE) are used instead")
     qc = ckpt.quant_config
     if not qc:
         report.add("config", "quantization_config", "-", "missing", "fp8 block config", False)
@@ -1068,10 +1500,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {n}")
     print(f"\nengine_check: {report.passed} passed, {report.failed} failed")
     return 1 if report.failed else 0
-
-
-class SglangCheck:  # defined below; placeholder replaced at import time
-    pass
 
 
 if __name__ == "__main__":
