@@ -113,7 +113,7 @@ class _Waiter(threading.Thread):
     def run(self) -> None:
         try:
             with TransformdClient(socket=self.socket, timeout=10) as td:
-                self.result = td.resolve(self.src, poll_interval=0.05, progress=lambda s: self.submitted.set(),
+                self.result = td.resolve(self.src, target="fnuz", poll_interval=0.05, progress=lambda s: self.submitted.set(),
                                          **self.kw)
         except BaseException as e:  # noqa: BLE001 - the test inspects it
             self.error = e
@@ -237,7 +237,7 @@ def test_a_waiting_client_gets_a_clear_error_when_the_daemon_does_not_come_back(
     try:
         _check_clean(cache)
         with TransformdClient(socket=daemon.socket_path, timeout=10) as td:
-            path = td.resolve(src, poll_interval=0.05, timeout=60)
+            path = td.resolve(src, target="fnuz", poll_interval=0.05, timeout=60)
         assert path.is_dir()
     finally:
         daemon.kill()

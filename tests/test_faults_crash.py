@@ -68,7 +68,7 @@ def wait_for(cond, timeout: float = 60.0, what: str = "condition", proc: subproc
 def launch(*args: object) -> subprocess.Popen:
     """The ``transformd`` console script: ``transformd convert ARGS --device cpu``."""
     p = subprocess.Popen(
-        [str(TRANSFORMD), "convert", *map(str, args), "--device", "cpu"],
+        [str(TRANSFORMD), "convert", *map(str, args), "--device", "cpu", "--target", "fnuz"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -96,7 +96,7 @@ class Prestarted:
 
     def __init__(self, go_file: Path, *args: object):
         self.go_file = go_file
-        argv = [sys.executable, "-c", _PRESTARTED, str(go_file), "convert", *map(str, args), "--device", "cpu"]
+        argv = [sys.executable, "-c", _PRESTARTED, str(go_file), "convert", *map(str, args), "--device", "cpu", "--target", "fnuz"]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.started.append(self.proc)
 

@@ -546,7 +546,7 @@ def test_corpus_refused_through_every_door(tmp_path: Path, name: str, capsys, fa
     check_message(stderr[0], src, expect)
     assert sorted(os.listdir(work)) == listing
     root2 = tmp_path / "cache-cli"
-    code, stdout, stderr = run_cli(capsys, "convert", src, "--cache-dir", root2, "--device", "cpu")
+    code, stdout, stderr = run_cli(capsys, "convert", src, "--cache-dir", root2, "--device", "cpu", "--target", "fnuz")
     assert code == 2 and stdout == [] and len(stderr) == 1 and stderr[0].startswith("transformd: error: "), stderr
     check_message(stderr[0], src, expect, cache=True)
     assert_cache_holds_only_the_failure(root2, expect, key)
@@ -571,7 +571,7 @@ def test_corpus_refused_by_the_console_script(tmp_path: Path, fault_log) -> None
         src, work, expect = build_case(tmp_path / f"c{i}", name)
         for mode in ("out", "cache"):
             dest = ["--out", str(work / "out")] if mode == "out" else ["--cache-dir", str(tmp_path / f"c{i}" / "cache")]
-            runs.append((name, mode, src, work, expect, [str(TRANSFORMD), "convert", str(src), *dest, "--device", "cpu"]))
+            runs.append((name, mode, src, work, expect, [str(TRANSFORMD), "convert", str(src), *dest, "--device", "cpu", "--target", "fnuz"]))
     env = {**os.environ, "TRANSFORMD_CACHE_DIR": str(tmp_path / "unused-default-cache")}
     results = []
     for batch in range(0, len(runs), 4):  # four at a time on a 2-core machine: bounded memory and time
@@ -625,7 +625,7 @@ def test_symlink_policy_of_the_library(tmp_path: Path, capsys, fault_log) -> Non
     assert got == expected, "links are followed: the output is that of the plain checkpoint"
     assert not any(isinstance(v, tuple) for v in got.values()), "the output holds regular files only, no links"
 
-    code, stdout, _ = run_cli(capsys, "convert", src, "--out", tmp_path / "out-cli", "--device", "cpu")
+    code, stdout, _ = run_cli(capsys, "convert", src, "--out", tmp_path / "out-cli", "--device", "cpu", "--target", "fnuz")
     assert code == 0 and tree(Path(stdout[-1])) == expected
 
     cache = Cache(tmp_path / "cache", budget_bytes="1G", device="cpu")

@@ -21,36 +21,37 @@ The work has two phases, so that bad input never leaves anything behind:
    that ``overwrite`` had moved aside when the kill came in the middle of the
    publish.
 
-What is an MXFP8 pair: a tensor ``X.weight`` stored ``F8_E4M3`` with exactly one
-scale ``X.weight_scale`` (ModelOpt) or ``X.weight_scale_inv`` (MiniMax style),
-stored ``U8`` or ``F8_E8M0``, 2-D ``[N, K]`` or 3-D fused experts ``[E, N, K]``.
-Every other tensor is copied byte for byte.
+What is an MXFP8 pair: an ``F8_E4M3`` tensor ``X.weight`` with exactly one scale
+``X.weight_scale`` (ModelOpt, compressed-tensors, Quark) or ``X.weight_scale_inv``
+(MiniMax style), or a fused expert stack ``X`` (HF-v5 naming, no ``.weight``) with
+``X_scale_inv``; scales stored ``U8`` or ``F8_E8M0``, 1x32 blocks ``[..., N, K/32]``
+or Quark ``per_block`` Rx32 blocks ``[..., ceil(N/R), K/32]``; weights 2-D
+``[N, K]`` or 3-D experts ``[E, N, K]``. Every other tensor is copied byte for
+byte. Any ``F8_E4M3`` or E8M0 tensor that is not part of a valid pair is refused:
+an ``fp8`` output must hold nothing MX and no FP8 weight without its block scale.
 
-``select`` (a regular expression, ``re.search`` on the weight name) restricts
-which pairs are converted. Pairs it leaves out are carried over *unchanged*:
-they stay MXFP8, so the output is then not a pure block-FP8 checkpoint. Their
-module names are recorded in ``quantization_config.transformd.unconverted_mxfp8``
-so a loader can tell.
+``select`` (a regular expression, ``re.search`` on the weight name) must match
+every MXFP8 weight; one it would leave out is refused for the same reason.
+
+Before anything is written, :func:`plan_readiness` computes from shapes and
+config at which tensor-parallel sizes vLLM, SGLang and transformers load the
+output (:mod:`transformd.engines`); with ``engine`` a checkpoint that engine
+could not load at all is refused.
 
 Output (shared/DESIGN.md, "Output" and "config.json"):
 
-* ``X.weight`` as ``F8_E4M3FNUZ`` (target ``fnuz``) or ``F8_E4M3`` (``ocp``),
-  followed in the same shard by ``X.weight_scale_inv`` float32
-  ``[..., ceil(N/128), ceil(K/128)]``; the input scale is dropped. Shard names
-  stay the same; a shard that neither holds a converted weight nor loses a
-  scale is copied without being rewritten.
-* ``config.json``: ``quantization_config`` is replaced by vLLM's/transformers'
-  block-FP8 form (``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic
-  activations), with the excluded-module list of the input carried over under
-  its original key and under ``ignored_layers`` and ``modules_to_not_convert``
-  (the keys vLLM's ``Fp8Config`` and transformers' ``FineGrainedFP8Config``
-  read), the KV-cache settings carried over, and a ``transformd`` record
-  (target, scale mode, format version). Every other field is kept as it was.
-* ``hf_quant_config.json`` (only when the input has one): ``quant_algo`` becomes
-  ``FP8_PB_WO`` (ModelOpt's name for 128x128 block FP8 weights) with
-  ``group_size`` 128; producer, KV-cache and exclusion entries are kept. vLLM
-  and SGLang read ``config.json``'s ``quantization_config`` first, which is the
-  authoritative description of the output.
+* the weight as ``F8_E4M3FNUZ`` (target ``fnuz``) or ``F8_E4M3`` (``ocp``),
+  followed in the same shard by ``<weight>_scale_inv`` (``X.weight_scale_inv``,
+  ``X_scale_inv``) float32 ``[..., ceil(N/128), ceil(K/128)]``; the input scale
+  is dropped. Shard names stay the same; a shard that neither holds a converted
+  weight nor loses a scale is copied without being rewritten.
+* ``config.json``: ``quantization_config`` is replaced by the block-FP8 form
+  vLLM, SGLang and transformers read (:mod:`transformd.quant_config`), whose
+  ``ignored_layers`` and ``modules_to_not_convert`` name exactly the modules
+  whose weights stay unquantized in the output; the input's own exclusion lists
+  (globs, ``re:`` patterns) are kept only in the ``transformd`` record, with
+  target, scale mode and format version. Every other field is kept as it was.
+* ``hf_quant_config.json`` is not carried over: it states the MXFP8 recipe.
 * ``model.safetensors.index.json``: ``weight_map`` and ``metadata.total_size``
   rewritten. Every other file (tokenizer, generation config, code, ...) is copied;
   names that start with ``.`` are skipped, and so are ``*.safetensors`` files the

@@ -239,18 +239,18 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     from .cache import Cache, Recipe
-    from .checkpoint import check_engine, plan_conversion, plan_readiness
+    from .checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
 
     if args.overwrite:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
-    report = plan_readiness(plan_conversion(args.src, select=args.select), target)  # headers only
-    check_engine(report, args.engine, args.src)
+    if args.engine is not None:  # refuse before converting (headers only); the cache checks everything else
+        check_engine(plan_readiness(plan_conversion(args.src, select=args.select), target), args.engine, args.src)
     cache = Cache(args.cache_dir, device=args.device)
     with _ProgressBar() as bar:
         entry = cache.get_or_convert(
             args.src, Recipe(target=target, scale_mode=args.scale_mode, select=args.select), progress=bar.update
         )
-    _print_outcome(report, args.engine, target, why)
+    _print_outcome(readiness_of_dir(entry.path), args.engine, target, why)
     if args.report:
         from .report import compare_checkpoints
 

@@ -171,7 +171,7 @@ class _Model:
     head_dim: int | None
     architectures: tuple[str, ...]
     target: str | None
-    fused_experts: tuple[str, ...] = ()  # FP8 expert stacks in HF-v5 naming (``experts.gate_up_proj``, no .weight)
+    fused_experts: tuple[str, ...] = ()  # 3-D FP8 expert stacks (``experts.gate_up_proj[.weight]``)
 
 
 def readiness(
@@ -198,7 +198,7 @@ def _model(config: Mapping[str, Any], tensors: Iterable[tuple[str, str, Sequence
         module = name.removesuffix(".weight")
         if dtype in FP8_DTYPES:
             fp8[module] = tuple(shape)
-            if len(shape) == 3 and not name.endswith(".weight"):
+            if len(shape) == 3:
                 fused.append(name)
         elif name.endswith(".weight") or module.rpartition(".")[0].endswith("experts"):
             unquantized.add(module)
@@ -247,12 +247,7 @@ def _engine_readiness(engine: Engine, m: _Model, tp_sizes: Sequence[int]) -> Eng
             "use --target ocp (or --engine, which picks it)"
         )
     general += _mixed_precision_problems(m)
-    if engine is Engine.TRANSFORMERS and m.fused_experts:
-        general.append(
-            f"{_NUMBERED.sub('.*.', m.fused_experts[0])}: transformers 5 loads FP8 expert stacks in fused HF-v5 naming "
-            "without applying their *_scale_inv (measured with FineGrainedFP8Config(dequantize=True): values off by "
-            "the scale, no error)"
-        )
+    general += _fused_expert_problems(engine, m)
     if engine is Engine.TRANSFORMERS:
         for module, shape in sorted(m.fp8.items()):
             n, k = shape[-2:]
@@ -270,6 +265,27 @@ def _engine_readiness(engine: Engine, m: _Model, tp_sizes: Sequence[int]) -> Eng
             out.loads_at.append(tp)
     out.problems = general + _by_problem(blocked)
     return out
+
+
+def _fused_expert_problems(engine: Engine, m: _Model) -> list[str]:
+    """3-D FP8 expert stacks: what each engine's loader makes of them (measured with the engines' own code)."""
+    if not m.fused_experts:
+        return []
+    first = _NUMBERED.sub(".*.", m.fused_experts[0])
+    if engine is Engine.TRANSFORMERS:
+        return [
+            f"{first}: transformers 5 loads FP8 expert stacks in fused HF-v5 naming without applying their "
+            "*_scale_inv (measured with FineGrainedFP8Config(dequantize=True): values off by the scale, no error)"
+        ]
+    if engine is Engine.SGLANG:
+        return [f"{first}: SGLang 0.5.23 skips fused expert stacks when loading (the experts stay unloaded, no error)"]
+    with_suffix = [name for name in m.fused_experts if name.endswith(".weight")]
+    if engine is Engine.VLLM and with_suffix:
+        return [
+            f"{_NUMBERED.sub('.*.', with_suffix[0])}: vLLM 0.33 reads fused expert stacks only in HF-v5 naming "
+            "(experts.gate_up_proj, no .weight); with .weight it fails to start"
+        ]
+    return []
 
 
 def _by_problem(blocked: dict[int, list[str]]) -> list[str]:
