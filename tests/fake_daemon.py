@@ -11,7 +11,9 @@ and its ``/files`` table is built from the converted files' headers, as the real
 * ``hashing``: the POST takes 0.8 s to answer (identifying a large source);
 * ``busy``: 503 (queue full, ``Retry-After``) while ``busy`` > 0.
 
-Sources must lie under ``allowed_root`` (403 otherwise, after resolving symlinks) and exist (404).
+Sources must lie under ``allowed_root`` (403 ``source_not_allowed`` otherwise, after resolving symlinks) and exist
+(404 ``source_not_found``). tests/test_client_contract.py runs the same contract tests against this fake and the
+real daemon, so the two cannot drift apart.
 :class:`ServerThread` serves an app with uvicorn on a unix socket or on 127.0.0.1:0 in a thread.
 """
 
@@ -111,7 +113,8 @@ class FakeDaemon:
                 return response
             real = src.resolve()
             if real != daemon.allowed_root and daemon.allowed_root not in real.parents:
-                return error(403, "path_not_allowed", f"{src} is outside the allowed roots ({daemon.allowed_root})")
+                return error(403, "source_not_allowed", f"source {src} (real path {real}) is outside the allowed roots "
+                                                         f"({daemon.allowed_root})")
             if not real.is_dir():
                 return error(404, "source_not_found", f"{src} does not exist")
             recipe = {"target": body["target"], "scale_mode": body["scale_mode"], "select": body.get("select")}

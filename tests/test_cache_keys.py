@@ -48,10 +48,31 @@ def test_same_content_at_two_paths_gives_one_entry(tmp_path):
     assert ea.manifest.source_hint == str(a)
 
 
-@pytest.mark.parametrize("victim", ["model-00002-of-00002.safetensors", "config.json", "sub/extra.json"])
-def test_one_changed_byte_gives_a_new_key(tmp_path, victim):
-    src = write_source(tmp_path / "m")
-    write_source(src, {"sub/extra.json": b'{"a": 1}'})
+#: A source with every kind of file a checkpoint has: shards, the index, configs, tokenizer files, others.
+EVERY_KIND_OF_FILE = {
+    "config.json": b'{"model_type": "fake", "hidden_size": 128}',
+    "generation_config.json": b'{"do_sample": true}',
+    "hf_quant_config.json": b'{"quantization": {"quant_algo": "MXFP8"}}',
+    "model-00001-of-00002.safetensors": bytes(range(256)) * 64,
+    "model-00002-of-00002.safetensors": bytes(range(255, -1, -1)) * 64,
+    "model.safetensors.index.json": b'{"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors"}}',
+    "special_tokens_map.json": b'{"eos_token": "</s>"}',
+    "tokenizer.json": b'{"version": "1.0", "model": {"vocab": {"a": 0}}}',
+    "tokenizer_config.json": b'{"model_max_length": 4096}',
+    "README.md": b"# a model card\n",
+    "sub/extra.json": b'{"a": 1}',
+}
+
+
+def test_the_identity_lists_every_file_of_the_source(tmp_path):
+    """The case list below covers what the key reads: a file it skipped would make its case vacuous."""
+    src = write_source(tmp_path / "m", EVERY_KIND_OF_FILE)
+    assert [f.name for f in source_identity(src).files] == sorted(EVERY_KIND_OF_FILE)
+
+
+@pytest.mark.parametrize("victim", sorted(EVERY_KIND_OF_FILE))
+def test_one_changed_byte_in_any_file_gives_a_new_key(tmp_path, victim):
+    src = write_source(tmp_path / "m", EVERY_KIND_OF_FILE)
     cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
     key1 = cache.key_for(src)
     f = src / victim
@@ -62,6 +83,7 @@ def test_one_changed_byte_gives_a_new_key(tmp_path, victim):
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime: only the content differs
     key2 = cache.key_for(src)
     assert key2 != key1
+    assert cache_key(source_identity(src), Recipe()) == key2  # without the stat cache too
     data[len(data) // 2] ^= 0x01  # restore: the old key comes back
     f.write_bytes(bytes(data))
     assert cache.key_for(src) == key1

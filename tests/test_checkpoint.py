@@ -26,6 +26,7 @@ from transformd.checkpoint import (
 )
 from transformd.formats import MxFormatError, Target, tile_grid
 from transformd.reference import convert_reference
+from transformd import sample
 from transformd.safetensors_io import read_header
 
 SHARD_A = "model-00001-of-00002.safetensors"  # BF16 only: must be carried over byte for byte
@@ -421,7 +422,6 @@ def test_per_tensor_fp8_weight_is_refused(tmp_path: Path) -> None:
 
 
 def test_sample_checkpoint_round_trip(tmp_path: Path) -> None:
-    sample = pytest.importorskip("transformd.sample")
     for i, (suffix, fused) in enumerate([("weight_scale", False), ("weight_scale_inv", True)]):
         src = sample.write_sample_checkpoint(tmp_path / f"src{i}", layers=1, experts=2, scale_suffix=suffix,
                                              fused_experts=fused)

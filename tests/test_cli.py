@@ -105,8 +105,6 @@ def test_cuda_without_gpu_exit_1(tmp_path: Path, capsys) -> None:
 
 
 def test_sample_then_convert_with_report_and_inspect(tmp_path: Path, capsys) -> None:
-    pytest.importorskip("transformd.sample")
-    pytest.importorskip("transformd.report")
     code, stdout, _ = _run(capsys, "sample", tmp_path / "s", "--layers", "1", "--experts", "2", "--seed", "3")
     assert code == 0 and stdout[-1] == str(tmp_path / "s")
     assert (tmp_path / "s" / "config.json").is_file() and (tmp_path / "s" / "model.safetensors.index.json").is_file()
@@ -121,7 +119,6 @@ def test_sample_then_convert_with_report_and_inspect(tmp_path: Path, capsys) -> 
 
 
 def test_sample_options_reach_the_checkpoint(tmp_path: Path, capsys) -> None:
-    pytest.importorskip("transformd.sample")
     code, stdout, _ = _run(capsys, "sample", tmp_path / "s", "--layers", "1", "--experts", "2", "--shards", "1",
                            "--scale-suffix", "weight_scale_inv", "--fused-experts")
     assert code == 0 and stdout[-1] == str(tmp_path / "s")

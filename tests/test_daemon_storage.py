@@ -214,7 +214,7 @@ def test_disk_full_during_a_conversion_and_during_publish(start, disk: dict[str,
                      "507 disk_full naming the cache; staging removed, entries intact, daemon serving; converts "
                      "once there is room")
     fault_log.record(CATEGORY, "request while the disk is still full and the other entry is leased", 1,
-                     "507 cache_full at the reservation naming the leased bytes, nothing evicted; resolve() raises "
+                     "507 cache_full at the reservation saying the other entry is leased, nothing evicted; resolve() raises "
                      "it (status 507, code cache_full)")
     fault_log.record(CATEGORY, f"disk full during publish (after sealing, before the manifest; {how})", 1,
                      "507 disk_full; nothing published, entries intact; converts once there is room")

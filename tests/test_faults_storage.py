@@ -150,6 +150,7 @@ def test_disk_full_in_the_cache(sample, tmp_path: Path, when: str, fault_log) ->
             assert ("converted" in reached) == (when == "publishing") and "manifest-written" not in reached, reached
         err = info.value
         assert str(cache.root) in str(err) and "ran out of disk space" in str(err) and "every existing" in str(err)
+        assert err.needed_bytes > 0 and f"({err.needed_bytes} bytes)" in str(err), str(err)  # the bytes needed
         assert isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.ENOSPC
         assert_nothing_in_flight(cache)
         assert [e.key for e in cache.entries()] == [a.key] and files(a.root) == a_files
@@ -165,8 +166,9 @@ def test_disk_full_in_the_cache(sample, tmp_path: Path, when: str, fault_log) ->
         CATEGORY,
         f"disk full while {when} (cache, real converter; {how})",
         1,
-        "DiskFullError naming the cache and the bytes needed; staging removed, space given back, existing entry "
-        "intact and verified; the next request converted byte-identical",
+        "DiskFullError naming the cache and the bytes needed; staging removed, "
+        + ("space given back, " if real else "")
+        + "existing entry intact and verified; the next request converted byte-identical",
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from transformd import MxFormatError, convert_weight, dequantize_block, dequantize_mx, validate_pair
+from transformd.formats import tile_grid
 from transformd.kernels import convert_triton, default_kernel, round_to_e4m3fn
 from transformd.reference import convert_reference
 
@@ -142,9 +143,17 @@ def test_exact_mode_is_lossless_above_e4m3_normal_range():
 # --- Triton kernel vs reference ---------------------------------------------------------------
 
 
+PTX_MISSING = (
+    "ptx kernel not run: it needs an NVIDIA GPU of compute capability 8.9+ (this machine: "
+    f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}); "
+    "tests/gpu/run_gpu_suite.py runs it on one and test_gpu_record.py checks that run is current"
+)
+
+
 def kernel_variants():
-    """The portable kernel everywhere; the inline-PTX kernel where the GPU has it."""
-    return sorted({"portable", default_kernel(torch.device(DEVICE))})
+    """Every kernel; the ones this machine cannot run are skipped with the reason, so the output says so."""
+    has_ptx = default_kernel(torch.device(DEVICE)) == "ptx"
+    return ["portable", pytest.param("ptx", marks=pytest.mark.skipif(not has_ptx, reason=PTX_MISSING))]
 
 
 @pytest.mark.parametrize("kernel", kernel_variants())
@@ -167,6 +176,32 @@ def test_kernel_matches_reference_awkward(case, target, mode, kernel):
     want = convert_reference(q, s, target, mode)
     got = convert_triton(q.to(DEVICE), s.to(DEVICE), target, mode, kernel=kernel)
     assert_same(got, want)
+
+
+#: (N, K) -> (tiles along N, tiles along K), counted by hand: the kernel and the reference share
+#: formats.tile_grid, so comparing them cannot catch a wrong grid. Exact multiples of 128 and one past.
+TILE_COUNTS = {(1, 32): (1, 1), (127, 96): (1, 1), (128, 128): (1, 1), (129, 128): (2, 1), (128, 160): (1, 2),
+               (256, 256): (2, 2), (257, 416): (3, 4)}
+
+
+@pytest.mark.parametrize("n, k", list(TILE_COUNTS))
+def test_tile_grid_and_output_shapes_match_counts_made_by_hand(n, k):
+    tiles = TILE_COUNTS[(n, k)]
+    assert tile_grid(n, k) == tiles
+    q, s = random_mx((1, n, k), seed=n + k)
+    outputs = {
+        "reference": convert_reference(q, s),
+        "kernel": convert_triton(q.to(DEVICE), s.to(DEVICE)),
+        "kernel 2-D": convert_triton(q[0].to(DEVICE), s[0].to(DEVICE)),
+        "convert_weight": convert_weight(q, s, device="cpu"),
+    }
+    for name, (codes, scale) in outputs.items():
+        assert tuple(codes.shape[-2:]) == (n, k), name
+        assert tuple(scale.shape[-2:]) == tiles, (name, tuple(scale.shape))
+    # Every tile holds data here, so no tile's scale is the 1.0 of an all-zero (padding-only) tile.
+    want_q, want_s = numpy_oracle(q[0].numpy(), s[0].numpy(), "fnuz", "exact")
+    assert want_s.shape == tiles
+    np.testing.assert_array_equal(outputs["kernel"][1][0].cpu().numpy().view(np.uint32), want_s.view(np.uint32))
 
 
 def rounding_probe() -> torch.Tensor:

@@ -1,0 +1,272 @@
+"""A mutation pass: plant small bugs in a copy of the package and check that the relevant tests fail.
+
+Each mutant (:data:`MUTANTS`) replaces one exact piece of source text in a temporary copy of ``transformd/`` and
+``tests/`` (the working tree is never touched), then runs the test files that should catch it there
+(``python -m pytest -x -q FILES``, with the copy first on ``PYTHONPATH``). A mutant is *killed* when the tests
+fail and *survives* when they pass; a survivor is either a hole in the tests or a change the contract allows
+(its ``note`` says which). The modules covered are the ones that decide bytes and trust: ``formats.py``, the host
+code of ``kernels.py``, ``reference.py``, ``cache/keys.py``, the source policy (``api/paths.py``) and the publish
+paths (``checkpoint.py`` staging/publish, ``cache/store.py`` seal/publish, ``cache/manifest.py``,
+``safetensors_io.py``'s writer).
+
+The GPU-only mutants (the PTX kernel, the ptx/portable choice) can only be caught on CPU by
+tests/test_gpu_record.py's digest check. When the copy has no tests/gpu/last_run.json, the runner writes one that
+records the *unmutated* sources' digest (device "simulated by the mutation pass"), as a committed GPU run would, so
+that check is exercised; the working tree's record, if any, is used as it is.
+
+Usage (from the repository root; about 10-15 minutes on 2 cores for the whole list)::
+
+    .venv/bin/python tests/mutation/run_mutants.py            # every mutant, then the table
+    .venv/bin/python tests/mutation/run_mutants.py --list     # ids only
+    .venv/bin/python tests/mutation/run_mutants.py --only fsync-noop-everywhere paths-string-prefix
+
+Exit status 0 when every mutant not marked ``expected_survivor`` was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+KERNEL_TESTS = ["tests/test_kernels.py", "-k", "oracle or tile_grid or fnuz or pr45726 or lossless or invalid or "
+                "two_dimensional or shapes or dtypes or kernel_matches_reference_random"]
+KEY_TESTS = ["tests/test_cache_keys.py"]
+PATH_TESTS = ["tests/test_api_paths.py", "tests/test_daemon_hostile.py"]
+DURABILITY_TESTS = ["tests/test_durability.py"]
+GPU_RECORD = ["tests/test_gpu_record.py", "-k", "covers"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    count: int = 1  # occurrences of ``old`` replaced (-1: all, at least one)
+    expected_survivor: bool = False
+    note: str = ""
+
+
+def m(id: str, file: str, old: str, new: str, tests: list[str], **kw) -> Mutant:
+    return Mutant(id, file, old, new, tuple(tests), **kw)
+
+
+MUTANTS: list[Mutant] = [
+    # -- formats.py ------------------------------------------------------------------------------------------------
+    m("tile-grid-off-by-one", "transformd/formats.py", "return -(-n // TILE), -(-k // TILE)",
+      "return n // TILE + 1, k // TILE + 1", KERNEL_TESTS),
+    m("k-multiple-of-32-unchecked", "transformd/formats.py", "    if k % MX_BLOCK:\n", "    if False:\n", KERNEL_TESTS),
+    m("nan-code-unchecked", "transformd/formats.py", "if bool(nan_code.any()):", "if False:", KERNEL_TESTS),
+    m("e8m0-nan-unchecked", "transformd/formats.py", "nan_scale = s == E8M0_NAN", "nan_scale = s == 0xFE",
+      KERNEL_TESTS),
+    m("e8m0-subnormal-scale", "transformd/formats.py", "torch.full_like(s, 1 << 22)", "torch.full_like(s, 0)",
+      KERNEL_TESTS),
+    m("fnuz-dtype-swapped", "transformd/formats.py",
+      "return torch.float8_e4m3fnuz if self is Target.FNUZ else torch.float8_e4m3fn",
+      "return torch.float8_e4m3fn", KERNEL_TESTS),
+    # -- kernels.py: host code (the wrapper) and the kernels' source --------------------------------------------------
+    m("kernel-fnuz-flag-dropped", "transformd/kernels.py", "FNUZ=target is Target.FNUZ,", "FNUZ=False,",
+      KERNEL_TESTS),
+    m("kernel-mode-flag-inverted", "transformd/kernels.py", "EXACT=scale_mode is ScaleMode.EXACT,",
+      "EXACT=scale_mode is ScaleMode.AMAX,", KERNEL_TESTS),
+    m("kernel-status-not-checked", "transformd/kernels.py", "if check and bool(status.any()):", "if False:",
+      KERNEL_TESTS),
+    m("kernel-2d-not-squeezed", "transformd/kernels.py", "return out_codes[0], out_scale[0]",
+      "return out_codes, out_scale", KERNEL_TESTS),
+    m("ptx-fnuz-fix-dropped", "transformd/kernels.py", "_PTX_EXACT_FNUZ = _ptx(_PTX_EXACT, _PTX_SIGN_FNUZ)",
+      "_PTX_EXACT_FNUZ = _ptx(_PTX_EXACT, _PTX_SIGN_OCP)", GPU_RECORD,
+      note="the PTX kernel runs only on a GPU: caught by the digest of the last GPU run"),
+    m("ptx-alignment-fallback-weakened", "transformd/kernels.py", "codes.data_ptr() % 16 or out_codes.data_ptr() % 16",
+      "codes.data_ptr() % 4 or out_codes.data_ptr() % 4", GPU_RECORD,
+      note="host code of the ptx path: no CPU test can launch ptx; caught by the digest"),
+    m("portable-kernel-fnuz-zero-sign", "transformd/kernels.py",
+      "sign = tl.where(code == 0, 0, sign)  # -0 is NaN in FNUZ: write +0", "pass", KERNEL_TESTS),
+    # -- reference.py ------------------------------------------------------------------------------------------------
+    m("reference-fnuz-fix-dropped", "transformd/reference.py",
+      "codes = torch.where(codes == 0x80, torch.zeros_like(codes), codes)", "pass", KERNEL_TESTS),
+    m("reference-exact-scale-boundary", "transformd/reference.py", "mant <= 0.875", "mant < 0.875", KERNEL_TESTS),
+    m("reference-amax-not-abs", "transformd/reference.py", "torch.nn.functional.pad(v.abs(),",
+      "torch.nn.functional.pad(v,", KERNEL_TESTS),
+    m("reference-amax-scalar-division", "transformd/reference.py", "amax / torch.full_like(amax, E4M3FN_MAX)",
+      "amax / E4M3FN_MAX", KERNEL_TESTS, expected_survivor=True,
+      note="identical on the CPU (IEEE there); differs only on CUDA, where the GPU suite compares with the oracle"),
+    m("reference-fnuz-scale-not-doubled", "transformd/reference.py", "return codes, scale * 2", "return codes, scale",
+      KERNEL_TESTS),
+    # -- cache/keys.py -----------------------------------------------------------------------------------------------
+    m("key-ignores-tokenizer-content", "transformd/cache/keys.py", "        records.append(FileRecord(rel, st.st_size, digest))",
+      "        records.append(FileRecord(rel, st.st_size, 'x' if rel == 'tokenizer.json' else digest))", KEY_TESTS),
+    m("key-ignores-non-shard-content", "transformd/cache/keys.py",
+      "        records.append(FileRecord(rel, st.st_size, digest))",
+      "        records.append(FileRecord(rel, st.st_size, digest if rel.endswith('.safetensors') else ''))", KEY_TESTS),
+    m("key-ignores-recipe-select", "transformd/cache/keys.py", '"select": self.select,', "", KEY_TESTS),
+    m("key-ignores-format-version", "transformd/cache/keys.py", '"format_version": self.format_version,', "",
+      KEY_TESTS),
+    m("key-drops-file-size", "transformd/cache/keys.py", "return [[f.name, f.size, f.digest] for f in self.files]",
+      "return [[f.name, f.digest] for f in self.files]", KEY_TESTS, expected_survivor=True,
+      note="equivalent: the content digest already determines the size"),
+    m("stat-cache-ignores-ctime", "transformd/cache/keys.py", "tuple(old[:5]) == sig", "tuple(old[:4]) == sig[:4]",
+      KEY_TESTS),
+    m("key-hashes-hidden-files", "transformd/cache/keys.py", 'return name.startswith(".")', "return False",
+      KEY_TESTS),
+    # -- api/paths.py: the source policy ----------------------------------------------------------------------------
+    m("paths-string-prefix", "transformd/api/paths.py",
+      "return path == root or path.startswith(root.rstrip(os.sep) + os.sep)", "return path.startswith(root)",
+      PATH_TESTS),
+    m("paths-symlinks-unchecked", "transformd/api/paths.py", "                    if not self.allowed(real):\n",
+      "                    if False:\n", PATH_TESTS),
+    m("paths-source-not-resolved", "transformd/api/paths.py", "real = os.path.realpath(source)",
+      "real = os.path.abspath(source)", PATH_TESTS),
+    m("paths-roots-not-resolved", "transformd/api/paths.py", "tuple(os.path.realpath(os.fspath(r)) for r in roots)",
+      "tuple(os.path.abspath(os.fspath(r)) for r in roots)", PATH_TESTS),
+    m("paths-missing-outside-probed", "transformd/api/paths.py",
+      "        real = os.path.realpath(source)\n        if not self.allowed(real):",
+      "        real = os.path.realpath(source)\n        if os.path.exists(real) and not self.allowed(real):",
+      PATH_TESTS),
+    # -- the publish paths: fsync and rename ---------------------------------------------------------------------------
+    m("fsync-noop-everywhere", "*", "os.fsync(", "(lambda fd: None)(", DURABILITY_TESTS, count=-1),
+    m("seal-file-fsync-noop", "transformd/cache/store.py", "                os.fsync(fd)\n                size =",
+      "                size =", DURABILITY_TESTS),
+    m("seal-dir-fsync-dropped", "transformd/cache/store.py", "            os.chmod(d, 0o555)\n            fsync_path(d)",
+      "            os.chmod(d, 0o555)", DURABILITY_TESTS),
+    m("manifest-fsync-noop", "transformd/cache/manifest.py", "            os.fsync(fd)\n", "", DURABILITY_TESTS),
+    m("cache-stage-fsync-dropped", "transformd/cache/store.py",
+      '            fsync_path(stage)\n            self._hook("before-rename")',
+      '            self._hook("before-rename")', DURABILITY_TESTS),
+    m("cache-entries-dir-fsync-dropped", "transformd/cache/store.py",
+      '            fsync_path(self.entries_dir)\n            self._hook("published")',
+      '            self._hook("published")', DURABILITY_TESTS),
+    m("writer-fsync-noop", "transformd/safetensors_io.py", "            os.fsync(self._file.fileno())\n", "",
+      DURABILITY_TESTS),
+    m("checkpoint-synced-file-fsync-noop", "transformd/checkpoint.py",
+      "        os.fsync(fd)\n        return os.fstat(fd).st_size", "        return os.fstat(fd).st_size",
+      DURABILITY_TESTS),
+    m("checkpoint-json-fsync-noop", "transformd/checkpoint.py", "        f.flush()\n        os.fsync(f.fileno())\n",
+      "        f.flush()\n", DURABILITY_TESTS),
+    m("checkpoint-tree-fsync-dropped", "transformd/checkpoint.py", "        _fsync_tree(staging)\n", "",
+      DURABILITY_TESTS),
+    m("checkpoint-tree-fsync-parents-first", "transformd/checkpoint.py", "os.walk(path, topdown=False)",
+      "os.walk(path, topdown=True)", DURABILITY_TESTS),
+    m("checkpoint-parent-fsync-dropped", "transformd/checkpoint.py",
+      "        raise\n    _fsync_dir(out.parent)\n", "        raise\n", DURABILITY_TESTS),
+    m("checkpoint-staging-kept-on-error", "transformd/checkpoint.py",
+      "    except BaseException:\n        shutil.rmtree(staging, ignore_errors=True)\n        raise",
+      "    except BaseException:\n        raise", ["tests/test_checkpoint.py"]),
+]
+
+
+def _copy_tree(dst: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
+    for name in ("transformd", "tests"):
+        shutil.copytree(REPO / name, dst / name, ignore=ignore)
+    shutil.copy2(REPO / "pyproject.toml", dst / "pyproject.toml")
+
+
+def _simulated_gpu_record(copy: Path) -> None:
+    record = copy / "tests" / "gpu" / "last_run.json"
+    if record.exists():
+        return
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import run_gpu_suite as suite
+
+    files = suite.source_digests(copy)
+    record.write_text(json.dumps({
+        "schema": 1, "dry_run": False, "device": "simulated by the mutation pass (no GPU)", "device_count": 0,
+        "capability": None, "variants_run": ["portable", "ptx"], "variants_not_run": [], "passed": 1, "failed": 0,
+        "failures": [], "kernel_sources": {"digest": suite.combined_digest(files), "files": files},
+        "git_commit": None, "versions": {}, "finished_at": None,
+    }, indent=1))
+
+
+def _apply(copy: Path, mutant: Mutant) -> list[Path]:
+    files = sorted((copy / "transformd").rglob("*.py")) if mutant.file == "*" else [copy / mutant.file]
+    changed = []
+    for f in files:
+        text = f.read_text()
+        if mutant.old not in text:
+            continue
+        new = text.replace(mutant.old, mutant.new) if mutant.count == -1 else text.replace(mutant.old, mutant.new, 1)
+        f.write_text(new)
+        changed.append(f)
+    if not changed:
+        raise SystemExit(f"mutant {mutant.id}: {mutant.old!r} not found in {mutant.file}; update the mutant")
+    return changed
+
+
+def _pytest(copy: Path, args: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args],
+                              cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, time.monotonic() - started, "timed out"
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    return done.returncode, time.monotonic() - started, lines[-1] if lines else done.stderr[-300:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="run only these mutant ids")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip running each test selection unmutated first")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per test run")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    mutants = [x for x in MUTANTS if not args.only or x.id in args.only]
+    if args.list:
+        for x in mutants:
+            print(f"{x.id:40} {x.file}")
+        return 0
+    if args.only and len(mutants) != len(set(args.only)):
+        raise SystemExit(f"unknown ids: {sorted(set(args.only) - {x.id for x in MUTANTS})}")
+    work = Path(tempfile.mkdtemp(prefix="td-mutants-"))
+    results = []
+    try:
+        pristine, copy = work / "pristine", work / "copy"
+        _copy_tree(pristine)
+        _simulated_gpu_record(pristine)
+        if not args.no_baseline:
+            for sel in dict.fromkeys(x.tests for x in mutants):
+                rc, secs, last = _pytest(pristine, sel, args.timeout)
+                print(f"baseline {' '.join(sel)[:70]}: rc {rc} in {secs:.0f} s: {last}", flush=True)
+                if rc != 0:
+                    raise SystemExit("the unmutated copy fails these tests: fix that before judging mutants")
+        for x in mutants:
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(pristine, copy)
+            _apply(copy, x)
+            rc, secs, last = _pytest(copy, x.tests, args.timeout)
+            verdict = "survived" if rc == 0 else "killed" if rc == 1 else f"killed (rc {rc})"
+            results.append({"id": x.id, "file": x.file, "verdict": verdict, "seconds": round(secs, 1),
+                            "tests": " ".join(x.tests), "expected_survivor": x.expected_survivor, "note": x.note,
+                            "last_line": last})
+            print(f"{x.id:40} {verdict:18} {secs:6.1f} s  {last}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\n| mutant | file | result | note |\n|---|---|---|---|")
+    for r in results:
+        print(f"| {r['id']} | {r['file']} | {r['verdict']} | {r['note']} |")
+    killed = sum(r["verdict"] != "survived" for r in results)
+    print(f"\n{killed} of {len(results)} killed")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    unexpected = [r["id"] for r in results if r["verdict"] == "survived" and not r["expected_survivor"]]
+    if unexpected:
+        print(f"unexpected survivors: {', '.join(unexpected)}")
+    return 1 if unexpected else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
