@@ -213,7 +213,11 @@ def test_leases_block_eviction_and_delete(start, models: Path) -> None:
 
         r = http.delete(f"/v1/checkpoints/{key}")
         assert r.status_code == 409 and r.json()["error"]["code"] == "entry_leased"
-        assert "vllm rank 0" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert "vllm rank 0" in message
+        # the API has no force parameter: say what works (wait, release, or the CLI on the node)
+        assert "use force" not in message and "force=True" not in message, message
+        assert f"DELETE /v1/checkpoints/{key}/leases/ID" in message and f"transformd cache rm --force {key}" in message
         report = cache.gc(budget_bytes=0)
         assert report.evicted == [] and cache.get(key, touch=False) is not None
         listing = http.get("/v1/cache").json()

@@ -331,7 +331,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     @app.get(
         "/v1/checkpoints/{key}/files/{name}",
         response_model=FileModel,
-        summary="One shard; 202 (ready false) while it is not written yet, and the conversion moves it to the front",
+        summary="Metadata of one shard (path, size, digest, tensor table; not its bytes: map the path); 202 (ready "
+        "false) while it is not written yet, and the conversion moves it to the front",
         responses={202: {"model": FileModel, "description": "not written yet; requested"}, **_errors(400, 404, 409)},
         tags=["files"],
     )

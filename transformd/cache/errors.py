@@ -30,7 +30,16 @@ class SourceError(CacheError, ValueError):
 
 
 class EntryLeasedError(CacheError):
-    """The entry is leased by a live holder; it cannot be removed without ``force``."""
+    """The entry is leased by a live holder; it cannot be removed without ``force``.
+
+    ``key`` and ``holders`` (the live leases' holder names, or their pids) let a caller word its own
+    advice: the daemon's ``DELETE`` has no force, the CLI has ``--force``.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, holders: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.key = key
+        self.holders = tuple(holders)
 
 
 class CacheFullError(CacheError):

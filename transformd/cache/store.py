@@ -1091,10 +1091,13 @@ class Cache:
                 raise EntryNotFoundError(key, self.root)
             live = [lease for lease in read_leases(self.leases_dir, key) if lease.is_live()]
             if live and not force:
+                holders = tuple(lease.holder or f"pid {(lease.owner or {}).get('pid', '?')}" for lease in live)
                 raise EntryLeasedError(
-                    f"cache entry {key} is leased by {len(live)} live holder(s) "
-                    f"({', '.join(lease.holder or str((lease.owner or {}).get('pid', '?')) for lease in live)}); "
-                    f"use force to remove it anyway"
+                    f"cache entry {key} is leased by {len(live)} live holder(s) ({', '.join(holders)}); wait for "
+                    f"the leases to be released or expire, or remove it anyway with force=True "
+                    f"(transformd cache rm --force {key})",
+                    key=key,
+                    holders=holders,
                 )
             info = next((e for e in self._scan_entries() if e.key == key), None)
             moved = self._move_to_trash(key)
