@@ -13,6 +13,11 @@ class InvalidKeyError(CacheError, ValueError):
     """A string that is not a cache key (32 lowercase hex digits) was given as one."""
 
 
+class NotACacheError(CacheError, ValueError):
+    """A command that only reads or maintains a cache was pointed at a directory that is not one (missing, or
+    not created by transformd): a mistyped ``--cache-dir`` must not silently become a new, empty cache."""
+
+
 class EntryNotFoundError(CacheError, LookupError):
     """No entry with this key is in the cache (never converted, evicted, removed or quarantined)."""
 
