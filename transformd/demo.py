@@ -5,7 +5,7 @@ What an inference node does with transformd, in one command:
 1. start the daemon (``transformd serve`` on a private unix socket and cache),
 2. write the sample MXFP8 MoE checkpoint,
 3. resolve it through the HTTP API (the first request converts, on the GPU when there is one),
-4. map the converted tensors read-only (zero-copy) through the ``/files`` tensor tables,
+4. map the converted tensors (zero-copy, copy-on-write) through the ``/files`` tensor tables,
 5. report the reconstruction error of both scale modes,
 6. resolve again: the cache answers without converting.
 """
@@ -58,7 +58,7 @@ def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -
                 dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
                 mapped = sum(t.numel() * t.element_size() for t in tensors.values())
                 echo(
-                    f"4. mapped {len(tensors)} tensors ({mapped / 2**20:.1f} MiB) read-only from "
+                    f"4. mapped {len(tensors)} tensors ({mapped / 2**20:.1f} MiB) copy-on-write from "
                     f"{len(tensors.mappings)} files, zero-copy: " + ", ".join(f"{n} {d}" for d, n in dtypes.items())
                 )
 
