@@ -289,6 +289,34 @@ def test_socket_permissions_health_and_metrics(start) -> None:
     assert not path.exists()
 
 
+def test_docs_work_offline(start) -> None:
+    """/docs and /redoc reference only this daemon's URLs (no CDN), and every asset they name is served."""
+    import re
+
+    daemon = start()
+    with daemon.client() as http:
+        for page in ("/docs", "/redoc"):
+            r = http.get(page)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (page, r.text[:300])
+            html = r.text
+            urls = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", html)
+            urls += re.findall(r"""(?:url|spec-url)\s*[:=]\s*["']([^"']+)["']""", html)
+            assert urls and "/openapi.json" in urls, (page, urls)
+            for url in urls:
+                assert url.startswith("/") and not url.startswith("//"), (page, url)
+            assert "http://" not in html and "https://" not in html, (page, html)
+            for url in urls:
+                got = http.get(url)
+                assert got.status_code == 200 and len(got.content) > 100, (page, url, got.status_code)
+        assets = {u: http.get(u) for u in ("/docs/static/swagger-ui-bundle.js", "/docs/static/swagger-ui.css")}
+        assert "javascript" in assets["/docs/static/swagger-ui-bundle.js"].headers["content-type"]
+        assert assets["/docs/static/swagger-ui.css"].headers["content-type"].startswith("text/css")
+        assert b"SwaggerUIBundle" in assets["/docs/static/swagger-ui-bundle.js"].content
+        assert '"validatorUrl": null' in http.get("/docs").text  # the validator badge would call out
+        assert http.get("/docs/oauth2-redirect").status_code == 200
+        assert "/docs" not in http.get("/openapi.json").json()["paths"]
+
+
 def test_bad_requests_are_400_with_a_message(start, models: Path) -> None:
     daemon = start()
     src = str(models / "sample")
