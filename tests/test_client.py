@@ -322,14 +322,28 @@ def test_cli_health(world, tmp_path):
     assert run.returncode == 1 and run.stderr.startswith("transformd: error:")
 
 
-def test_cli_health_degraded_is_still_healthy(world):
-    world["daemon"].health = {"status": "degraded", "version": "0.1.0", "problems": ["no GPU: converting on the CPU"]}
+@pytest.mark.parametrize("http_status", [200, 503])
+def test_cli_health_degraded_exits_1_with_the_reasons_as_text(world, http_status):
+    """Degraded is not healthy: exit 1, the reasons as one line of text (not the JSON body), whether the daemon
+    answers 503 (as transformd does) or 200; --allow-degraded (liveness probes) exits 0 and still says why."""
+    world["daemon"].health = {"status": "degraded", "version": "0.1.0",
+                              "problems": ["cache directory /c is not writable by the daemon", "shutting down"]}
+    world["daemon"].health_status = http_status
     try:
         run = _cli("health", "--socket", str(world["socket"]))
+        quiet = _cli("health", "--socket", str(world["socket"]), "-q")
+        allowed = _cli("health", "--socket", str(world["socket"]), "--allow-degraded", "-q")
     finally:
         world["daemon"].health = {"status": "ok", "version": "0.1.0", "problems": []}
-    assert (run.returncode, run.stdout.strip()) == (0, "degraded")
-    assert "no GPU" in run.stderr
+        world["daemon"].health_status = 200
+    for r in (run, quiet):
+        assert (r.returncode, r.stdout.strip()) == (1, "degraded"), (r.returncode, r.stdout, r.stderr)
+        assert r.stderr.splitlines() == [
+            f"transformd: error: transformd at unix socket {world['socket']} is degraded: cache directory /c is not "
+            "writable by the daemon; shutting down"
+        ], r.stderr
+        assert "{" not in r.stderr
+    assert allowed.returncode == 0 and "warning" in allowed.stderr and "not writable" in allowed.stderr
 
 
 def test_commands_register_on_the_main_parser(world, capsys):

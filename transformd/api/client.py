@@ -686,9 +686,21 @@ class TransformdClient:
         """``GET /v1/cache``: usage, budget and entries, as the daemon sends them."""
         return self._json(self._request("GET", f"{_API}/cache"))
 
-    def health(self) -> dict[str, Any]:
-        """``GET /healthz``; raises unless the daemon answers 200."""
-        response = self._request("GET", "/healthz")
+    def health(self, *, degraded_ok: bool = False) -> dict[str, Any]:
+        """``GET /healthz``; raises unless the daemon answers 200.
+
+        ``degraded_ok``: a 503 that carries the daemon's health body (``status`` ``degraded`` and its
+        ``problems``) is returned instead of raised, so a caller can tell "degraded, and why" from "down".
+        """
+        response = self._request("GET", "/healthz", ok=(200, 503) if degraded_ok else (200,))
+        if response.status_code == 503:
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            if not (isinstance(body, dict) and isinstance(body.get("status"), str)):
+                raise self._error(response)  # a 503 of another kind (not the health body): an error as before
+            return body
         try:
             data = response.json()
         except ValueError:
