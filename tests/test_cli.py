@@ -172,3 +172,30 @@ def test_console_entry_point_in_a_process(tmp_path: Path) -> None:
     assert done.returncode == 2 and done.stdout == "" and "not empty" in done.stderr
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["quantization_config"]["transformd"]["target"] == "fnuz"
+
+
+def test_every_option_and_argument_has_help() -> None:
+    """`transformd X --help` explains every option (sample, inspect SRC OUT, ...), demo says it starts a daemon and
+    where its files go, and convert's default cache names $XDG_CACHE_HOME."""
+    import argparse
+
+    from transformd.cli import build_parser
+
+    missing, parsers = [], {}
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        parsers[path] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}".strip())
+            elif not action.help:
+                missing.append(f"{path}: {action.option_strings or action.dest}")
+
+    walk(build_parser(), "")
+    assert missing == []
+    assert "daemon" in parsers["demo"].description and "daemon" in parsers["demo"].format_help()
+    assert "$TMPDIR" in parsers["demo"].format_help()
+    assert "$XDG_CACHE_HOME" in " ".join(parsers["convert"].format_help().split())
+    inspect_help = " ".join(parsers["inspect"].format_help().split())
+    assert "MXFP8 checkpoint directory that was converted" in inspect_help and "its conversion" in inspect_help

@@ -69,7 +69,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                          help="output directory (must be empty or absent); without it the conversion goes into "
                               "the cache and a second call for the same checkpoint returns at once")
     convert.add_argument("--cache-dir", metavar="DIR", type=Path,
-                         help="cache root (default: $TRANSFORMD_CACHE_DIR, else ~/.cache/transformd)")
+                         help="cache root (default: $TRANSFORMD_CACHE_DIR, else $XDG_CACHE_HOME/transformd, "
+                              "else ~/.cache/transformd)")
     convert.add_argument("--target", choices=[t.value for t in Target], default=Target.FNUZ.value,
                          help="fnuz: float8_e4m3fnuz for MI300-class GPUs (default); ocp: float8_e4m3fn")
     convert.add_argument("--scale-mode", choices=[m.value for m in ScaleMode], default=ScaleMode.EXACT.value,
@@ -89,11 +90,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="write a small MXFP8 MoE sample checkpoint",
         description="Write a small ModelOpt-layout MXFP8 MoE checkpoint into DIR; print DIR last.",
     )
-    sample.add_argument("dir", metavar="DIR", type=Path)
-    sample.add_argument("--layers", type=_positive_int, default=2)
-    sample.add_argument("--experts", type=_positive_int, default=4)
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--shards", type=_positive_int, default=2)
+    sample.add_argument("dir", metavar="DIR", type=Path, help="where to write it (created; must be empty or absent)")
+    sample.add_argument("--layers", type=_positive_int, default=2, help="decoder layers (default 2)")
+    sample.add_argument("--experts", type=_positive_int, default=4, help="MoE experts per layer (default 4)")
+    sample.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    sample.add_argument("--shards", type=_positive_int, default=2, help="safetensors files to spread it over (default 2)")
     sample.add_argument("--scale-suffix", choices=["weight_scale", "weight_scale_inv"], default="weight_scale",
                         help="ModelOpt (weight_scale) or MiniMax-style (weight_scale_inv) scale names")
     sample.add_argument("--fused-experts", action="store_true", help="3-D [E, N, K] expert tensors")
@@ -104,19 +105,26 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="report the reconstruction error of a conversion",
         description="Compare the MXFP8 checkpoint SRC with its conversion OUT; print the error table, then OUT.",
     )
-    inspect.add_argument("src", metavar="SRC", type=Path)
-    inspect.add_argument("out", metavar="OUT", type=Path)
+    inspect.add_argument("src", metavar="SRC", type=Path, help="the MXFP8 checkpoint directory that was converted")
+    inspect.add_argument("out", metavar="OUT", type=Path,
+                         help="its conversion (a 'convert --out' directory or a cache entry's checkpoint/)")
     inspect.set_defaults(handler=_run_inspect)
 
     demo = subparsers.add_parser(
         "demo",
-        help="the main job on the built-in sample: write, convert, report, then hit the cache",
-        description="Write the sample MXFP8 checkpoint, convert it into a cache, report the reconstruction "
-                    "error of both scale modes, then resolve it again from the cache; print the converted directory.",
+        help="the main job on the built-in sample, through a daemon: serve, resolve, map, report, hit the cache",
+        description="Start a transformd daemon (on a private unix socket and cache in DIR, stopped at the end), "
+                    "write the sample MXFP8 checkpoint, resolve it through the HTTP API (which converts it), map "
+                    "the converted tensors, report the reconstruction error of both scale modes, then resolve it "
+                    "again from the cache; print the converted directory last. Everything stays in DIR "
+                    "(sample, cache, daemon.log); it is printed first.",
     )
     demo.add_argument("--dir", metavar="DIR", type=Path,
-                      help="working directory for the sample and its cache (default: a new temporary directory)")
-    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+                      help="working directory for the sample, the daemon's socket and log, and its cache (default: "
+                           "a new directory under $TMPDIR or /tmp, kept and printed so you can look at it; remove "
+                           "it when done)")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                      help="where the daemon converts (auto: the GPU when there is one)")
     demo.set_defaults(handler=_run_demo)
 
 
@@ -188,7 +196,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     if args.report:
         from .report import compare_checkpoints
 
-        print(compare_checkpoints(args.src, result.out).format_table())
+        print(compare_checkpoints(args.src, result.out).format_table(legend=True))
     print(result.out)
     return EXIT_OK
 
@@ -206,7 +214,7 @@ def _run_convert_cached(args: argparse.Namespace) -> int:
     if args.report:
         from .report import compare_checkpoints
 
-        print(compare_checkpoints(args.src, entry.path).format_table())
+        print(compare_checkpoints(args.src, entry.path).format_table(legend=True))
     print(entry.path)
     return EXIT_OK
 
@@ -237,7 +245,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _run_inspect(args: argparse.Namespace) -> int:
     from .report import compare_checkpoints
 
-    print(compare_checkpoints(args.src, args.out).format_table())
+    print(compare_checkpoints(args.src, args.out).format_table(legend=True))
     print(args.out)
     return EXIT_OK
 

@@ -253,7 +253,7 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     gc.set_defaults(func=_guard(cmd_gc), handler=_guard(cmd_gc))
 
     rm = sub.add_parser("rm", parents=[common], help="remove entries")
-    rm.add_argument("keys", nargs="+", metavar="KEY")
+    rm.add_argument("keys", nargs="+", metavar="KEY", help="entry keys, as 'transformd cache ls' shows them")
     rm.add_argument("--force", action="store_true", help="remove even while a live lease holds the entry")
     rm.set_defaults(func=_guard(cmd_rm), handler=_guard(cmd_rm))
     return p
