@@ -133,6 +133,7 @@ def run_resolve(args: argparse.Namespace) -> int:
                 poll_interval=args.poll_interval,
                 timeout=args.timeout,
                 reconnect_s=args.reconnect,
+                notice=reporter.notice,
             )
     except TransformdError as err:
         reporter.close()
@@ -211,6 +212,14 @@ class ProgressReporter:
             return
         self._last_line = now
         print(f"transformd: {status.key[:12]} {describe(status)}", file=self._stream, flush=True)
+
+    def notice(self, message: str) -> None:
+        """A line about the connection (the daemon went away, reconnected), so progress that starts over
+        is explained; the next update prints (or starts a new bar) whatever its state."""
+        self.close()
+        print(f"transformd: {message}", file=self._stream, flush=True)
+        self._last_state = "notice"
+        self._last_line = None
 
     def close(self) -> None:
         if self._bar is not None:
