@@ -32,8 +32,36 @@ def test_convert_prints_out_dir_last(tmp_path: Path, capsys) -> None:
                                 "--device", "cpu")
     assert code == 0
     assert stdout[-1] == str(out)
-    assert stderr == [], "no progress bar when standard error is not a terminal"
+    # no bar when standard error is not a terminal, no line within the first 5 s: only the summary
+    assert len(stderr) == 1 and stderr[0].startswith("transformd: converted "), stderr
+    summary = stderr[0]
+    for part in (" KiB (22 tensors, ", " MXFP8 weights converted) in ", " s, ", "/s; target ocp, scale mode amax, on cpu; ",
+                 f"into {out}"):
+        assert part in summary, (part, summary)
     assert_converted(src, out, "ocp", "amax")
+
+
+def test_convert_prints_progress_lines_in_logs(tmp_path: Path, capsys) -> None:
+    """Standard error not a terminal: a line every --progress-every seconds (5 by default), each with bytes,
+    percentage, tensors, rate and the time left, then the summary; into the cache too."""
+    src = write_checkpoint(tmp_path / "src")
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu",
+                                "--progress-every", "0")
+    assert code == 0 and stdout[-1] == str(tmp_path / "out")
+    lines, last = stderr[:-1], stderr[-1]
+    assert lines and all(line.startswith("transformd: converting ") for line in lines), stderr
+    assert "/22 tensors" in lines[-1] and "%)" in lines[-1] and ("left" in lines[-1]), lines
+    assert last.startswith("transformd: converted ") and f"into {tmp_path / 'out'}" in last
+    root = tmp_path / "cache"
+    code, stdout, stderr = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu", "--progress-every", "0")
+    assert code == 0 and stderr[-1].startswith("transformd: converted ") and "(identify " in stderr[-1], stderr
+    assert f"cache entry {stdout[-1]}" in stderr[-1] and "target fnuz, scale mode exact, on cpu" in stderr[-1]
+    assert any(line.startswith("transformd: converting ") for line in stderr[:-1]), stderr
+    code, again, stderr = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu")
+    assert again == stdout and stderr == [
+        f"transformd: found in the cache (converted earlier, nothing converted now): target fnuz, scale mode exact; "
+        f"cache entry {stdout[-1]}"
+    ]
 
 
 def test_progress_bar_only_on_a_terminal(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -47,7 +75,8 @@ def test_progress_bar_only_on_a_terminal(tmp_path: Path, capsys, monkeypatch) ->
     code = cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu"])
     assert code == 0 and capsys.readouterr().out.splitlines()[-1] == str(tmp_path / "out")
     bar = terminal.getvalue()
-    assert "converting" in bar and "22/22 tensors" in bar
+    assert "converting" in bar and "22/22 tensors" in bar and "left" in bar
+    assert bar.rstrip().splitlines()[-1].startswith("transformd: converted ")
 
 
 def test_convert_select(tmp_path: Path, capsys) -> None:
@@ -55,7 +84,8 @@ def test_convert_select(tmp_path: Path, capsys) -> None:
     code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--select", r"down_proj",
                                 "--device", "cpu")
     assert code == 0 and stdout[-1] == str(tmp_path / "out")
-    assert stderr == ["transformd: note: 5 MXFP8 weights not matched by --select were left as MXFP8"]
+    assert stderr[0] == "transformd: note: 5 MXFP8 weights not matched by --select were left as MXFP8"
+    assert len(stderr) == 2 and "(22 tensors, 3 MXFP8 weights converted)" in stderr[1], stderr
     assert_converted(src, tmp_path / "out", select="down_proj")
 
 
@@ -199,3 +229,4 @@ def test_every_option_and_argument_has_help() -> None:
     assert "$XDG_CACHE_HOME" in " ".join(parsers["convert"].format_help().split())
     inspect_help = " ".join(parsers["inspect"].format_help().split())
     assert "MXFP8 checkpoint directory that was converted" in inspect_help and "its conversion" in inspect_help
+

@@ -193,16 +193,28 @@ class ConversionPlan:
         """Tensor bytes of all shards (headers not counted): the total that progress reports count up to."""
         return sum(s.header.data_bytes for s in self.shards)
 
+    @property
+    def convert_bytes(self) -> int:
+        """Code bytes of the MXFP8 weights to convert (``Progress.convert_bytes_total``)."""
+        return sum(p.weight.nbytes for p in self.selected)
+
 
 @dataclass(frozen=True)
 class Progress:
-    """Reported to ``progress`` after each tensor (and after each shard copied whole)."""
+    """Reported to ``progress`` after each tensor (and after each shard copied whole).
+
+    ``bytes_*`` count every input tensor byte; ``convert_bytes_*`` only the MXFP8 weights' codes, the
+    bytes that are converted rather than copied (much slower on the CPU): an ETA should come from
+    those (:class:`transformd.progress.Eta`).
+    """
 
     shard: str
     tensors_done: int
     tensors_total: int
     bytes_done: int
     bytes_total: int
+    convert_bytes_done: int = 0
+    convert_bytes_total: int = 0
 
 
 @dataclass
@@ -222,6 +234,9 @@ class ConversionResult:
     device: str
     #: Peak bytes of the host buffers between the pipeline's stages (see ``host_memory_bytes``).
     host_buffer_bytes: int = 0
+    #: Tensors in the input shards, and their bytes (what progress counts up to).
+    tensors: int = 0
+    data_bytes: int = 0
 
 
 def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -> ConversionPlan:
@@ -543,14 +558,17 @@ class _Run:
     tally: _Tally = field(default_factory=_Tally)
     tensors_done: int = 0
     bytes_done: int = 0
+    convert_bytes_done: int = 0
     output_tensors: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (shard, nbytes)
 
-    def tick(self, shard: str, tensors: int, nbytes: int) -> None:
+    def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
         self.tensors_done += tensors
         self.bytes_done += nbytes
+        self.convert_bytes_done += converted
         if self.progress is not None:
             self.progress(
-                Progress(shard, self.tensors_done, self.plan.tensor_count, self.bytes_done, self.plan.data_bytes)
+                Progress(shard, self.tensors_done, self.plan.tensor_count, self.bytes_done, self.plan.data_bytes,
+                         self.convert_bytes_done, self.plan.convert_bytes)
             )
 
 
@@ -627,6 +645,8 @@ def convert_checkpoint(
         scale_mode=scale_mode.value,
         device=",".join(str(d) for d in devices),
         host_buffer_bytes=run.tally.buffers_peak,
+        tensors=plan.tensor_count,
+        data_bytes=plan.data_bytes,
     )
 
 
@@ -1020,8 +1040,8 @@ class _Stages:
         if self._stop.is_set():
             raise _Stopped
 
-    def tick(self, shard: str, tensors: int, nbytes: int) -> None:
-        self._events.put(("tick", (shard, tensors, nbytes)))
+    def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
+        self._events.put(("tick", (shard, tensors, nbytes, converted)))
 
     def start(self, name: str, stage: Callable[[], None]) -> None:
         def body() -> None:
@@ -1040,7 +1060,7 @@ class _Stages:
         self._threads.append(thread)
         thread.start()
 
-    def wait(self, on_tick: Callable[[str, int, int], None]) -> None:
+    def wait(self, on_tick: Callable[[str, int, int, int], None]) -> None:
         """Apply ticks until every stage has exited; on an error (or an exception here) stop all, join, raise."""
         running = len(self._threads)
         try:
@@ -1182,7 +1202,8 @@ class _Lane:
                         for piece in scales:
                             self.to_writer.put(_Append(item.pair.out_scale_name, piece))
                         scales = []
-                        self.stages.tick(item.pair.weight_shard, 1, item.pair.weight.nbytes)
+                        nbytes = item.pair.weight.nbytes
+                        self.stages.tick(item.pair.weight_shard, 1, nbytes, converted=nbytes)
                 elif isinstance(item, _DropTensor):
                     self.stages.tick(item.shard, 1, item.tensor.nbytes)
                 else:

@@ -7,7 +7,9 @@ Conventions every subcommand keeps, so scripts can rely on them:
 * errors are one line on standard error, ``transformd: error: ...``; exit code 2
   for bad input (a malformed checkpoint, invalid MXFP8 values, a non-empty
   ``--out``, bad arguments), 1 for environment failures (I/O, no GPU);
-* the progress bar goes to standard error, and only when that is a terminal.
+* progress goes to standard error: a bar when that is a terminal, else a line every 5 s
+  (``--progress-every``); ``convert`` ends with a one-line summary there (bytes, tensors, time,
+  rate, target, mode, device, where).
 
 Other modules add subcommands with a function ``add_commands(subparsers)``
 that registers parsers whose defaults carry ``handler=<callable(args) -> int>``
@@ -83,6 +85,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     convert.add_argument("--report", action="store_true",
                          help="print the reconstruction error per tensor and overall before DIR")
+    convert.add_argument("--progress-every", metavar="S", type=float, default=5.0,
+                         help="seconds between progress lines when standard error is not a terminal (default 5)")
     convert.set_defaults(handler=_run_convert)
 
     sample = subparsers.add_parser(
@@ -173,8 +177,9 @@ def _run_convert(args: argparse.Namespace) -> int:
     if args.out is None:
         return _run_convert_cached(args)
     from .checkpoint import convert_checkpoint
+    from .progress import ConvertProgress, summary
 
-    with _ProgressBar() as bar:
+    with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
         result = convert_checkpoint(
             args.src,
             args.out,
@@ -193,6 +198,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     if result.left_out:
         print(f"transformd: note: not referenced by the index, not carried over: {', '.join(result.left_out)}",
               file=sys.stderr)
+    print(summary(result, f"into {result.out}"), file=sys.stderr, flush=True)
     if args.report:
         from .report import compare_checkpoints
 
@@ -203,20 +209,41 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 def _run_convert_cached(args: argparse.Namespace) -> int:
     from .cache import Cache, Recipe
+    from .progress import ConvertProgress
 
     if args.overwrite:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
     cache = Cache(args.cache_dir, device=args.device)
-    with _ProgressBar() as bar:
+    with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
         entry = cache.get_or_convert(
             args.src, Recipe(target=args.target, scale_mode=args.scale_mode, select=args.select), progress=bar.update
         )
+    print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:
         from .report import compare_checkpoints
 
         print(compare_checkpoints(args.src, entry.path).format_table(legend=True))
     print(entry.path)
     return EXIT_OK
+
+
+def _cached_summary(entry) -> str:
+    """The last line on standard error of ``convert`` into the cache: how this call got the entry, with numbers."""
+    from .progress import summary
+
+    where = f"cache entry {entry.path}"
+    try:
+        manifest = entry.manifest
+        result = manifest.result if isinstance(manifest.result, dict) else {}
+        recipe = manifest.recipe
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"transformd: {entry.outcome}: {where}"
+    result = {"target": recipe.target, "scale_mode": recipe.scale_mode, **result}
+    if entry.outcome == "hit":
+        return (f"transformd: found in the cache (converted earlier, nothing converted now): target {result['target']}, "
+                f"scale mode {result['scale_mode']}; {where}")
+    how = "converted" if entry.outcome == "converted" else "another process converted"
+    return summary(result, where, how=how, timings=dict(manifest.timings or {}))
 
 
 def _run_sample(args: argparse.Namespace) -> int:
@@ -248,39 +275,6 @@ def _run_inspect(args: argparse.Namespace) -> int:
     print(compare_checkpoints(args.src, args.out).format_table(legend=True))
     print(args.out)
     return EXIT_OK
-
-
-class _ProgressBar:
-    """A tqdm bar over input bytes on standard error, only when standard error is a terminal."""
-
-    def __init__(self) -> None:
-        self._bar = None
-        self._enabled = sys.stderr.isatty()
-
-    def update(self, p) -> None:
-        """Take a checkpoint.Progress, or the cache's ConversionStatus carrying one (as a dict) in ``detail``."""
-        if not self._enabled:
-            return
-        detail = getattr(p, "detail", p)
-        if isinstance(detail, dict):
-            detail = argparse.Namespace(**detail)
-        total, done = getattr(detail, "bytes_total", None), getattr(detail, "bytes_done", None)
-        if total is None or done is None:
-            return
-        if self._bar is None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                             desc="converting", dynamic_ncols=True)
-        self._bar.update(done - self._bar.n)
-        self._bar.set_postfix_str(f"{detail.tensors_done}/{detail.tensors_total} tensors", refresh=False)
-
-    def __enter__(self) -> _ProgressBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 if __name__ == "__main__":
