@@ -230,3 +230,22 @@ def test_every_option_and_argument_has_help() -> None:
     inspect_help = " ".join(parsers["inspect"].format_help().split())
     assert "MXFP8 checkpoint directory that was converted" in inspect_help and "its conversion" in inspect_help
 
+
+def test_convert_out_checks_free_space_first(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Where no small file system can be mounted: too little free space (as statvfs reports it) is refused before
+    anything is written, naming --out and the sizes (tests/test_faults_storage.py has the real tmpfs)."""
+    from transformd import checkpoint
+
+    src = write_checkpoint(tmp_path / "src")
+    monkeypatch.setattr(checkpoint, "_free_bytes", lambda path: 4096)
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu")
+    assert code == 1 and stdout == [] and len(stderr) == 1, stderr
+    assert stderr[0].startswith(f"transformd: error: not enough free space for the output directory {tmp_path / 'out'}")
+    assert "4.0 KiB (4096 bytes) are free" in stderr[0] and ".transformd-" not in stderr[0]
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+    plan = checkpoint.plan_conversion(src)
+    needed = checkpoint.output_bytes(plan, "fnuz")
+    monkeypatch.undo()
+    out = checkpoint.convert_checkpoint(src, tmp_path / "out", device="cpu").out
+    written = sum(f.stat().st_size for f in out.iterdir())
+    assert written <= needed <= written + (2 << 20), (written, needed)  # the estimate is close, and not below
