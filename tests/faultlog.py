@@ -3,9 +3,12 @@
 A test takes the ``fault_log`` fixture and calls ``fault_log.record(category, fault, attempts, outcome)``
 after it has checked the outcome (so a row is only written for what the test actually asserted). At the
 end of the session, when the environment variable ``TRANSFORMD_FAULT_REPORT`` names a file, a markdown
-table of every row is written there (nothing is written otherwise)::
+table of every row is written there (nothing is written otherwise); ``1`` writes it to
+``$TMPDIR/transformd-fault-report.md`` (:data:`DEFAULT_REPORT`), so a local run does not rewrite the
+committed ``tests/fault-report.md`` unless that path is named. The path is printed at the end::
 
-    TRANSFORMD_FAULT_REPORT=docs/fault-report.md pytest tests/test_faults_*.py
+    TRANSFORMD_FAULT_REPORT=1 pytest tests/test_faults_*.py tests/test_daemon_*.py
+    TRANSFORMD_FAULT_REPORT=tests/fault-report.md pytest ...      # refresh the committed report
 
 Rows with the same (category, fault) are merged: attempts are added up, and distinct outcomes are listed
 with their counts (a hypothesis test records one row per example, e.g. "refused (180); accepted (20)").
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 import platform
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +31,8 @@ from pathlib import Path
 import pytest
 
 ENV_REPORT = "TRANSFORMD_FAULT_REPORT"
+#: Where ``TRANSFORMD_FAULT_REPORT=1`` writes the report: outside the repository.
+DEFAULT_REPORT = Path(tempfile.gettempdir()) / "transformd-fault-report.md"
 
 
 @dataclass
@@ -149,8 +155,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: only a single process writes the report
         return
-    path = Path(target)
+    path = DEFAULT_REPORT if target.strip().lower() in ("1", "yes", "true") else Path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(log.markdown(), encoding="utf-8")
     os.replace(tmp, path)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"fault report ({len(log.records)} records) written to {path.absolute()}")
