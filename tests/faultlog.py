@@ -21,12 +21,14 @@ below are then available to every test module, including the daemon's.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,12 +150,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             log.mark_failed(item.nodeid)
 
 
+_WORKER_KEY = "transformd_fault_records"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist, in the controller: take the rows a worker recorded (see pytest_sessionfinish)."""
+    log = node.config.stash.get(_LOG_KEY, None)
+    rows = getattr(node, "workeroutput", {}).get(_WORKER_KEY)
+    if log is not None and rows:
+        log.records.extend(FaultRecord(**r) for r in json.loads(rows))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = os.environ.get(ENV_REPORT)
     log = session.config.stash.get(_LOG_KEY, None)
     if not target or log is None or not log.records:
         return
-    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: only a single process writes the report
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: hand the rows to the controller
+        session.config.workeroutput[_WORKER_KEY] = json.dumps([asdict(r) for r in log.records])
         return
     path = DEFAULT_REPORT if target.strip().lower() in ("1", "yes", "true") else Path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
