@@ -79,7 +79,8 @@ def test_a_mistyped_cache_dir_is_refused_not_created(capsys, tmp_path, monkeypat
     missing = tmp_path / "cahce"
     code, out, err = run(capsys, "cache", *command, "--cache-dir", str(missing))
     assert (code, out) == (2, "") and not missing.exists()
-    assert err.startswith(f"transformd: error: no transformd cache at {missing} (--cache-dir)") and len(err.splitlines()) == 1
+    assert err.startswith(f"transformd: error: no transformd cache at {missing} (--cache-dir)")
+    assert len(err.splitlines()) == 1
     monkeypatch.setenv("TRANSFORMD_CACHE_DIR", str(missing))
     code, out, err = run(capsys, "cache", *command)
     assert code == 2 and "$TRANSFORMD_CACHE_DIR" in err and not missing.exists()

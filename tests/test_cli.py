@@ -35,8 +35,8 @@ def test_convert_prints_out_dir_last(tmp_path: Path, capsys) -> None:
     # no bar when standard error is not a terminal, no line within the first 5 s: only the summary
     assert len(stderr) == 1 and stderr[0].startswith("transformd: converted "), stderr
     summary = stderr[0]
-    for part in (" KiB (22 tensors, ", " MXFP8 weights converted) in ", " s, ", "/s; target ocp, scale mode amax, on cpu; ",
-                 f"into {out}"):
+    for part in (" KiB (22 tensors, ", " MXFP8 weights converted) in ", " s, ",
+                 "/s; target ocp, scale mode amax, on cpu; ", f"into {out}"):
         assert part in summary, (part, summary)
     assert_converted(src, out, "ocp", "amax")
 
@@ -240,7 +240,8 @@ def test_convert_out_checks_free_space_first(tmp_path: Path, capsys, monkeypatch
     monkeypatch.setattr(checkpoint, "_free_bytes", lambda path: 4096)
     code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu")
     assert code == 1 and stdout == [] and len(stderr) == 1, stderr
-    assert stderr[0].startswith(f"transformd: error: not enough free space for the output directory {tmp_path / 'out'}")
+    expected = f"transformd: error: not enough free space for the output directory {tmp_path / 'out'}"
+    assert stderr[0].startswith(expected)
     assert "4.0 KiB (4096 bytes) are free" in stderr[0] and ".transformd-" not in stderr[0]
     assert sorted(os.listdir(tmp_path)) == ["src"]
     plan = checkpoint.plan_conversion(src)

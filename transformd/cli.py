@@ -98,7 +98,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     sample.add_argument("--layers", type=_positive_int, default=2, help="decoder layers (default 2)")
     sample.add_argument("--experts", type=_positive_int, default=4, help="MoE experts per layer (default 4)")
     sample.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
-    sample.add_argument("--shards", type=_positive_int, default=2, help="safetensors files to spread it over (default 2)")
+    sample.add_argument("--shards", type=_positive_int, default=2,
+                        help="safetensors files to spread it over (default 2)")
     sample.add_argument("--scale-suffix", choices=["weight_scale", "weight_scale_inv"], default="weight_scale",
                         help="ModelOpt (weight_scale) or MiniMax-style (weight_scale_inv) scale names")
     sample.add_argument("--fused-experts", action="store_true", help="3-D [E, N, K] expert tensors")
@@ -240,8 +241,8 @@ def _cached_summary(entry) -> str:
         return f"transformd: {entry.outcome}: {where}"
     result = {"target": recipe.target, "scale_mode": recipe.scale_mode, **result}
     if entry.outcome == "hit":
-        return (f"transformd: found in the cache (converted earlier, nothing converted now): target {result['target']}, "
-                f"scale mode {result['scale_mode']}; {where}")
+        return (f"transformd: found in the cache (converted earlier, nothing converted now): "
+                f"target {result['target']}, scale mode {result['scale_mode']}; {where}")
     how = "converted" if entry.outcome == "converted" else "another process converted"
     return summary(result, where, how=how, timings=dict(manifest.timings or {}))
 
