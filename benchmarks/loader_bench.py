@@ -6,7 +6,7 @@ One run, same files:
      (``convert_checkpoint``; skipped with ``--dir`` pointing at a converted checkpoint),
   2. in a fresh process per measurement (so memory numbers start clean; imports not timed),
      ``--repeat`` times each, interleaved:
-     - ``load_tensors``: ``load_tensors(dir)`` returns every tensor (shared read-only maps, no
+     - ``load_tensors``: ``load_tensors(dir)`` returns every tensor (private copy-on-write maps, no
        byte read); ``load_tensors(table)``: the same from the daemon's ``/files`` table (built
        before the clock starts), so no header is read;
      - ``safe_open``: ``safe_open(f).get_tensor(name)`` for every tensor of every file, with

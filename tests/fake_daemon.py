@@ -68,6 +68,7 @@ class FakeDaemon:
         self.posts = 0
         self.busy = 0  # answers 503 to this many POSTs for a source named "busy"
         self.health: dict[str, Any] = {"status": "ok", "version": "0.1.0", "problems": []}
+        self.health_status = 200  # transformd answers 503 with the same body when degraded
         self.lock = threading.Lock()
 
     def register(self, source: Path, converted: Path) -> None:
@@ -194,7 +195,7 @@ class FakeDaemon:
 
         @app.get("/healthz")
         async def healthz():
-            return daemon.health
+            return JSONResponse(daemon.health, status_code=daemon.health_status)
 
         @app.get("/metrics")
         async def metrics():

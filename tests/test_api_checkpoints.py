@@ -214,7 +214,11 @@ def test_leases_block_eviction_and_delete(start, models: Path) -> None:
 
         r = http.delete(f"/v1/checkpoints/{key}")
         assert r.status_code == 409 and r.json()["error"]["code"] == "entry_leased"
-        assert "vllm rank 0" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert "vllm rank 0" in message
+        # the API has no force parameter: say what works (wait, release, or the CLI on the node)
+        assert "use force" not in message and "force=True" not in message, message
+        assert f"DELETE /v1/checkpoints/{key}/leases/ID" in message and f"transformd cache rm --force {key}" in message
         report = cache.gc(budget_bytes=0)
         assert report.evicted == [] and cache.get(key, touch=False) is not None
         listing = http.get("/v1/cache").json()
@@ -284,6 +288,34 @@ def test_socket_permissions_health_and_metrics(start) -> None:
         } <= set(schema["paths"])
     daemon.stop()
     assert not path.exists()
+
+
+def test_docs_work_offline(start) -> None:
+    """/docs and /redoc reference only this daemon's URLs (no CDN), and every asset they name is served."""
+    import re
+
+    daemon = start()
+    with daemon.client() as http:
+        for page in ("/docs", "/redoc"):
+            r = http.get(page)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (page, r.text[:300])
+            html = r.text
+            urls = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", html)
+            urls += re.findall(r"""(?:url|spec-url)\s*[:=]\s*["']([^"']+)["']""", html)
+            assert urls and "/openapi.json" in urls, (page, urls)
+            for url in urls:
+                assert url.startswith("/") and not url.startswith("//"), (page, url)
+            assert "http://" not in html and "https://" not in html, (page, html)
+            for url in urls:
+                got = http.get(url)
+                assert got.status_code == 200 and len(got.content) > 100, (page, url, got.status_code)
+        assets = {u: http.get(u) for u in ("/docs/static/swagger-ui-bundle.js", "/docs/static/swagger-ui.css")}
+        assert "javascript" in assets["/docs/static/swagger-ui-bundle.js"].headers["content-type"]
+        assert assets["/docs/static/swagger-ui.css"].headers["content-type"].startswith("text/css")
+        assert b"SwaggerUIBundle" in assets["/docs/static/swagger-ui-bundle.js"].content
+        assert '"validatorUrl": null' in http.get("/docs").text  # the validator badge would call out
+        assert http.get("/docs/oauth2-redirect").status_code == 200
+        assert "/docs" not in http.get("/openapi.json").json()["paths"]
 
 
 def test_bad_requests_are_400_with_a_message(start, models: Path) -> None:

@@ -66,9 +66,41 @@ def test_ls(capsys, filled, monkeypatch):
 
 
 def test_ls_empty_cache_from_the_environment(capsys, tmp_path, monkeypatch):
+    Cache(tmp_path / "envcache")  # created by a command that writes (convert, serve)
     monkeypatch.setenv("TRANSFORMD_CACHE_DIR", str(tmp_path / "envcache"))
     code, out, _ = run(capsys, "cache", "ls")
     assert code == 0 and f"cache {tmp_path / 'envcache'}" in out and "no entries" in out
+
+
+@pytest.mark.parametrize("command", [["ls"], ["ls", "--json"], ["verify"], ["gc"], ["rm", "0" * 32]])
+def test_a_mistyped_cache_dir_is_refused_not_created(capsys, tmp_path, monkeypatch, command):
+    """A cache directory that does not exist, or that is not a transformd cache, is exit 2 with one line that
+    names it; nothing is created there (only commands that convert create a cache)."""
+    missing = tmp_path / "cahce"
+    code, out, err = run(capsys, "cache", *command, "--cache-dir", str(missing))
+    assert (code, out) == (2, "") and not missing.exists()
+    assert err.startswith(f"transformd: error: no transformd cache at {missing} (--cache-dir)")
+    assert len(err.splitlines()) == 1
+    monkeypatch.setenv("TRANSFORMD_CACHE_DIR", str(missing))
+    code, out, err = run(capsys, "cache", *command)
+    assert code == 2 and "$TRANSFORMD_CACHE_DIR" in err and not missing.exists()
+    monkeypatch.delenv("TRANSFORMD_CACHE_DIR")
+    home = tmp_path / "home"  # an existing directory that is not a cache: left untouched
+    home.mkdir()
+    (home / "notes.txt").write_text("x")
+    code, out, err = run(capsys, "cache", *command, "--cache-dir", str(home))
+    assert code == 2 and f"{home} (--cache-dir) is not a transformd cache" in err, err
+    assert sorted(os.listdir(home)) == ["notes.txt"]
+    code, out, err = run(capsys, "cache", *command, "--cache-dir", str(home / "notes.txt"))
+    assert code == 2 and "is not a directory" in err
+
+
+def test_a_mistyped_cache_dir_through_the_transformd_command(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "transformd", "cache", "ls", "--cache-dir", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert p.returncode == 2 and "no transformd cache at" in p.stderr and not (tmp_path / "nope").exists()
 
 
 def test_verify(capsys, filled):

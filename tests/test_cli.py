@@ -32,10 +32,38 @@ def test_convert_prints_out_dir_last(tmp_path: Path, capsys) -> None:
                                 "--device", "cpu")
     assert code == 0
     assert stdout[-1] == str(out)
-    # no progress bar when standard error is not a terminal; only the warnings that engines could not load the
-    # partial tiles of this checkpoint
-    assert stderr and all(line.startswith("transformd: warning: ") for line in stderr), stderr
+    # no bar when standard error is not a terminal, no line within the first 5 s: the warnings that engines could
+    # not load the partial tiles of this checkpoint, then the summary
+    *warnings, summary = stderr
+    assert warnings and all(line.startswith("transformd: warning: ") for line in warnings), stderr
+    assert summary.startswith("transformd: converted "), stderr
+    for part in (" KiB (22 tensors, ", " MXFP8 weights converted) in ", " s, ",
+                 "/s; target ocp, scale mode amax, on cpu; ", f"into {out}"):
+        assert part in summary, (part, summary)
     assert_converted(src, out, "ocp", "amax")
+
+
+def test_convert_prints_progress_lines_in_logs(tmp_path: Path, capsys) -> None:
+    """Standard error not a terminal: a line every --progress-every seconds (5 by default), each with bytes,
+    percentage, tensors, rate and the time left, then the summary; into the cache too."""
+    src = write_checkpoint(tmp_path / "src")
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu",
+                                "--progress-every", "0")
+    assert code == 0 and stdout[-1] == str(tmp_path / "out")
+    lines, last = stderr[:-1], stderr[-1]
+    assert lines and all(line.startswith("transformd: converting ") for line in lines), stderr
+    assert "/22 tensors" in lines[-1] and "%)" in lines[-1] and ("left" in lines[-1]), lines
+    assert last.startswith("transformd: converted ") and f"into {tmp_path / 'out'}" in last
+    root = tmp_path / "cache"
+    code, stdout, stderr = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu", "--progress-every", "0")
+    assert code == 0 and stderr[-1].startswith("transformd: converted ") and "(identify " in stderr[-1], stderr
+    assert f"cache entry {stdout[-1]}" in stderr[-1] and "target fnuz, scale mode exact, on cpu" in stderr[-1]
+    assert any(line.startswith("transformd: converting ") for line in stderr[:-1]), stderr
+    code, again, stderr = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu")
+    assert again == stdout and stderr == [
+        f"transformd: found in the cache (converted earlier, nothing converted now): target fnuz, scale mode exact; "
+        f"cache entry {stdout[-1]}"
+    ]
 
 
 def test_progress_bar_only_on_a_terminal(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -49,7 +77,8 @@ def test_progress_bar_only_on_a_terminal(tmp_path: Path, capsys, monkeypatch) ->
     code = cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu"])
     assert code == 0 and capsys.readouterr().out.splitlines()[-1] == str(tmp_path / "out")
     bar = terminal.getvalue()
-    assert "converting" in bar and "22/22 tensors" in bar
+    assert "converting" in bar and "22/22 tensors" in bar and "left" in bar
+    assert bar.rstrip().splitlines()[-1].startswith("transformd: converted ")
 
 
 def test_convert_select_leaving_mxfp8_exit_2(tmp_path: Path, capsys) -> None:
@@ -170,3 +199,49 @@ def test_console_entry_point_in_a_process(tmp_path: Path) -> None:
     assert done.returncode == 2 and done.stdout == "" and "not empty" in done.stderr
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["quantization_config"]["transformd"]["target"] == "ocp", "auto: a raw consumer without a GPU"
+
+
+def test_every_option_and_argument_has_help() -> None:
+    """`transformd X --help` explains every option (sample, inspect SRC OUT, ...), demo says it starts a daemon and
+    where its files go, and convert's default cache names $XDG_CACHE_HOME."""
+    import argparse
+
+    from transformd.cli import build_parser
+
+    missing, parsers = [], {}
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        parsers[path] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}".strip())
+            elif not action.help:
+                missing.append(f"{path}: {action.option_strings or action.dest}")
+
+    walk(build_parser(), "")
+    assert missing == []
+    assert "daemon" in parsers["demo"].description and "daemon" in parsers["demo"].format_help()
+    assert "$TMPDIR" in parsers["demo"].format_help()
+    assert "$XDG_CACHE_HOME" in " ".join(parsers["convert"].format_help().split())
+
+
+def test_convert_out_checks_free_space_first(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Where no small file system can be mounted: too little free space (as statvfs reports it) is refused before
+    anything is written, naming --out and the sizes (tests/test_faults_storage.py has the real tmpfs)."""
+    from transformd import checkpoint
+
+    src = write_checkpoint(tmp_path / "src")
+    monkeypatch.setattr(checkpoint, "_free_bytes", lambda path: 4096)
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu")
+    assert code == 1 and stdout == [] and len(stderr) == 1, stderr
+    expected = f"transformd: error: not enough free space for the output directory {tmp_path / 'out'}"
+    assert stderr[0].startswith(expected)
+    assert "4.0 KiB (4096 bytes) are free" in stderr[0] and ".transformd-" not in stderr[0]
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+    plan = checkpoint.plan_conversion(src)
+    needed = checkpoint.output_bytes(plan, "fnuz")
+    monkeypatch.undo()
+    out = checkpoint.convert_checkpoint(src, tmp_path / "out", device="cpu").out
+    written = sum(f.stat().st_size for f in out.iterdir())
+    assert written <= needed <= written + (2 << 20), (written, needed)  # the estimate is close, and not below

@@ -181,6 +181,76 @@ def test_resolve_survives_a_daemon_that_forgot_the_key(world, client):
     assert daemon.posts == posts + 2
 
 
+def test_resolve_says_when_the_daemon_restarted_and_it_reconnected(world, client):
+    """A daemon that forgets the key mid-conversion (it restarted): the client tells ``notice`` both events, and the
+    CLI's reporter prints them, so progress that starts over from 0% is explained."""
+    daemon = world["daemon"]
+    daemon.forget()
+    notices: list[str] = []
+    stream = io.StringIO()
+    reporter = resolve_cli.ProgressReporter(stream, every_s=3600, tty=False)
+    calls = []
+
+    def progress(status: CheckpointStatus) -> None:
+        calls.append(status.state)
+        reporter.update(status)
+        if len(calls) == 3:
+            daemon.forget()
+
+    def notice(message: str) -> None:
+        notices.append(message)
+        reporter.notice(message)
+
+    path = client.resolve(world["models"] / "good", progress=progress, notice=notice, poll_interval=0.01)
+    assert path == world["converted"]
+    assert len(notices) == 2, notices
+    assert "restarted" in notices[0] and "waiting up to 60s" in notices[0] and "%" in notices[0], notices
+    assert notices[1].startswith(f"reconnected to transformd at {client.where} after "), notices
+    assert "(was at " in notices[1] or "ready" in notices[1], notices
+    lines = stream.getvalue().splitlines()
+    i = lines.index(f"transformd: {notices[0]}")
+    assert lines[i + 1] == f"transformd: {notices[1]}" and len(lines) > i + 2, lines  # the next status is printed
+
+
+def test_resolve_says_when_it_reconnected_after_the_daemon_went_away(tmp_path):
+    """The daemon's socket stops answering mid-conversion and a new daemon comes up on it: one line each."""
+    import threading
+
+    models = tmp_path / "m"
+    (models / "good").mkdir(parents=True)
+    daemon = FakeDaemon(models)
+    sock = Path(tempfile.mkdtemp(prefix="tdr")) / "td.sock"
+    servers = [ServerThread(daemon.app(), uds=str(sock)).start()]
+    restarted = threading.Event()
+
+    def restart() -> None:
+        servers[0].stop()
+        daemon.forget()
+        threading.Timer(0.5, lambda: (servers.append(ServerThread(daemon.app(), uds=str(sock)).start()),
+                                      restarted.set())).start()
+
+    notices: list[str] = []
+    calls = []
+
+    def progress(status: CheckpointStatus) -> None:
+        calls.append(status)
+        if len(calls) == 2:
+            restart()
+
+    try:
+        with TransformdClient(socket=sock, timeout=5) as c:
+            path = c.resolve(models / "good", progress=progress, notice=notices.append, poll_interval=0.05,
+                             reconnect_s=30, timeout=60)
+        assert path == (models / "good").resolve() and restarted.is_set()
+    finally:
+        for server in servers:
+            server.stop()
+        shutil.rmtree(sock.parent, ignore_errors=True)
+    assert len(notices) == 2, notices
+    assert "went away while entry" in notices[0] and "waiting up to 30s" in notices[0], notices
+    assert notices[1].startswith("reconnected to transformd at") and " after " in notices[1], notices
+
+
 def test_unreachable_daemon(world, tmp_path):
     with TransformdClient(socket=tmp_path / "none.sock", timeout=2) as c, pytest.raises(DaemonUnavailableError) as info:
         c.health()
@@ -308,14 +378,28 @@ def test_cli_health(world, tmp_path):
     assert run.returncode == 1 and run.stderr.startswith("transformd: error:")
 
 
-def test_cli_health_degraded_is_still_healthy(world):
-    world["daemon"].health = {"status": "degraded", "version": "0.1.0", "problems": ["no GPU: converting on the CPU"]}
+@pytest.mark.parametrize("http_status", [200, 503])
+def test_cli_health_degraded_exits_1_with_the_reasons_as_text(world, http_status):
+    """Degraded is not healthy: exit 1, the reasons as one line of text (not the JSON body), whether the daemon
+    answers 503 (as transformd does) or 200; --allow-degraded (liveness probes) exits 0 and still says why."""
+    world["daemon"].health = {"status": "degraded", "version": "0.1.0",
+                              "problems": ["cache directory /c is not writable by the daemon", "shutting down"]}
+    world["daemon"].health_status = http_status
     try:
         run = _cli("health", "--socket", str(world["socket"]))
+        quiet = _cli("health", "--socket", str(world["socket"]), "-q")
+        allowed = _cli("health", "--socket", str(world["socket"]), "--allow-degraded", "-q")
     finally:
         world["daemon"].health = {"status": "ok", "version": "0.1.0", "problems": []}
-    assert (run.returncode, run.stdout.strip()) == (0, "degraded")
-    assert "no GPU" in run.stderr
+        world["daemon"].health_status = 200
+    for r in (run, quiet):
+        assert (r.returncode, r.stdout.strip()) == (1, "degraded"), (r.returncode, r.stdout, r.stderr)
+        assert r.stderr.splitlines() == [
+            f"transformd: error: transformd at unix socket {world['socket']} is degraded: cache directory /c is not "
+            "writable by the daemon; shutting down"
+        ], r.stderr
+        assert "{" not in r.stderr
+    assert allowed.returncode == 0 and "warning" in allowed.stderr and "not writable" in allowed.stderr
 
 
 def test_commands_register_on_the_main_parser(world, capsys):

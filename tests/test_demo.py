@@ -25,5 +25,9 @@ def test_demo_converts_maps_reports_and_hits_the_cache(tmp_path: Path) -> None:
     assert "99.877" in overall  # bit-exact share of the sample in exact mode (README)
     with safe_open(out / "model-00002-of-00002.safetensors", "pt") as f:
         assert any(name.endswith("weight_scale_inv") for name in f.keys())
+    assert lines[0] == f"0. working directory (--dir): {tmp_path}: the sample, the daemon's socket, log and cache"
+    assert text.count("target fnuz, scale mode exact") == 1, text  # said once, by the table
+    assert "rel L2 = " in text and "exact % = " in text  # the columns are explained
+    assert f"its files stay in {tmp_path} (remove them with: rm -rf {tmp_path})" in text
     log = (tmp_path / "daemon.log").read_text()
     assert "Traceback" not in log

@@ -32,7 +32,8 @@ from transformd.cache import (
     EntryNotFoundError,
     TransformdConverter,
 )
-from transformd.checkpoint import convert_checkpoint
+from transformd import checkpoint as checkpoint_mod
+from transformd.checkpoint import OutputError, convert_checkpoint
 from transformd.sample import write_sample_checkpoint
 
 from .test_checkpoint import write_checkpoint
@@ -173,29 +174,73 @@ def test_disk_full_in_the_cache(sample, tmp_path: Path, when: str, fault_log) ->
 
 
 @pytest.mark.timeout(120)
-def test_disk_full_converting_to_out(sample, tmp_path: Path, capsys, fault_log) -> None:
+def test_disk_full_converting_to_out(sample, tmp_path: Path, capsys, monkeypatch, fault_log) -> None:
+    """--out on a file system too small: refused before anything is written, naming --out with the sizes; and a
+    disk that fills up while writing (the check passed) gives the same kind of message, never the staging path."""
     src, _, _ = sample
     with tmpfs(tmp_path / "fs", "2m") as real:
         if not real:
             pytest.skip("needs a small file system (mount refused)")
         work = tmp_path / "fs" / "work"
         work.mkdir()
+        out = work / "out"
         with pytest.raises(OSError) as info:
-            convert_checkpoint(src, work / "out", device="cpu")
-        assert info.value.errno == errno.ENOSPC
-        assert os.listdir(work) == [], "the staging directory is removed"
-        code = cli.main(["convert", str(src), "--out", str(work / "out"), "--device", "cpu", "--target", "fnuz"])
-        err = capsys.readouterr().err.splitlines()
-        assert code == 1 and len(err) == 1 and "No space left on device" in err[0], err
+            convert_checkpoint(src, out, device="cpu")
+        err = info.value
+        assert isinstance(err, OutputError) and err.errno == errno.ENOSPC
+        assert f"not enough free space for the output directory {out}" in str(err), str(err)
+        assert err.needed_bytes > err.free_bytes and f"({err.needed_bytes} bytes)" in str(err)
+        assert ".transformd-" not in str(err)
+        assert os.listdir(work) == [], "nothing was written"
+        code = cli.main(["convert", str(src), "--out", str(out), "--device", "cpu", "--target", "fnuz"])
+        lines = capsys.readouterr().err.splitlines()
+        assert code == 1 and len(lines) == 1 and lines[0].startswith("transformd: error: not enough free space "), lines
+        assert str(out) in lines[0] and "MiB" in lines[0] and ".transformd-" not in lines[0]
         assert os.listdir(work) == []
+
+        # the check passes (another writer fills the disk later, say): ENOSPC while writing, restated about --out
+        monkeypatch.setattr(checkpoint_mod, "_check_free_space", lambda out, needed: None)
+        with pytest.raises(OutputError) as info:
+            convert_checkpoint(src, out, device="cpu")
+        message = str(info.value)
+        assert info.value.errno == errno.ENOSPC and message.startswith(f"ran out of disk space writing the output "
+                                                                        f"directory {out}"), message
+        assert "bytes)" in message and ".transformd-" not in message and "partial output was removed" in message
+        assert os.listdir(work) == [], "the staging directory is removed"
         st = os.statvfs(work)
         assert st.f_bavail == st.f_blocks, "all the space came back"
     fault_log.record(
         CATEGORY,
         "disk full converting to --out (library and CLI; real ENOSPC on a 2 MiB tmpfs)",
-        2,
-        "OSError ENOSPC / CLI exit 1 with one line; staging removed, nothing beside --out, all space back",
+        3,
+        "refused before writing (OSError ENOSPC naming --out, bytes needed and free; CLI exit 1, one line); "
+        "ENOSPC mid-write restated about --out; staging removed, nothing beside --out, all space back",
     )
+
+
+@pytest.mark.timeout(120)
+def test_read_only_out(sample, tmp_path: Path, capsys, fault_log) -> None:
+    """--out on a read-only file system: the error names --out and the read-only file system, not the hidden
+    staging directory the conversion would have created beside it."""
+    src, _, _ = sample
+    fs = tmp_path / "rofs"
+    with tmpfs(fs, "32m") as real:
+        if not real:
+            pytest.skip("a read-only file system needs mount rights (chmod does not stop root)")
+        (fs / "work").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True, capture_output=True)
+        out = fs / "work" / "out"
+        with pytest.raises(OutputError) as info:
+            convert_checkpoint(src, out, device="cpu")
+        assert info.value.errno == errno.EROFS
+        assert str(info.value).startswith(f"cannot write the output directory {out}: {fs / 'work'} is on a "
+                                          "read-only file system"), str(info.value)
+        code = cli.main(["convert", str(src), "--out", str(out), "--device", "cpu"])
+        lines = capsys.readouterr().err.splitlines()
+        assert code == 1 and len(lines) == 1 and str(out) in lines[0] and "read-only" in lines[0], lines
+        assert ".transformd-" not in lines[0] and "[Errno" not in lines[0]
+    fault_log.record(CATEGORY, "--out on a read-only file system (library and CLI)", 2,
+                     "OSError EROFS naming --out and the read-only file system (not the staging path); CLI exit 1")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The mmap loader: tensors equal to safetensors.safe_open's, zero-copy, read-only, from a table or a directory."""
+"""The mmap loader: tensors equal to safetensors.safe_open's, zero-copy, copy-on-write, from a table or a directory."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_list_of_paths_and_single_file(converted):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Zero copy, read-only, lifetime
+# Zero copy, copy-on-write, lifetime
 
 
 def test_tensors_are_views_of_the_mapping(converted):
@@ -151,13 +151,52 @@ def _no_core_dump() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def test_writing_through_a_tensor_is_refused(converted, tmp_path):
-    """The map is read-only (PROT_READ): a write faults, and the file is untouched."""
+def test_writing_into_a_loaded_tensor_touches_only_the_writer(converted, tmp_path):
+    """The default map is private copy-on-write: a write succeeds in the writer (no SIGSEGV), the cache file's
+    bytes stay as they were, another map of the file sees the file, and reading shares the page cache (no
+    private copy of what was only read). In a subprocess, so a crash would show as its exit status."""
+    shard = sorted(converted["fnuz"].glob("*.safetensors"))[-1]
+    before = shard.read_bytes()
+    code = (
+        "import torch; from transformd.loader import load_tensors\n"
+        "def vma(address):  # (Rss, Anonymous) bytes of the mapping that starts at address, from smaps\n"
+        "    found, out = False, {}\n"
+        "    for line in open('/proc/self/smaps'):\n"
+        "        head = line.split()[0]\n"
+        "        if '-' in head and ':' not in head:\n"
+        "            if found: break\n"
+        "            found = int(head.split('-')[0], 16) == address\n"
+        "        elif found and head in ('Rss:', 'Anonymous:'):\n"
+        "            out[head] = int(line.split()[1]) * 1024\n"
+        "    return out['Rss:'], out['Anonymous:']\n"
+        f"t = load_tensors({str(shard)!r})\n"
+        "m = t.mappings[0]\n"
+        "total = sum(float(x.view(-1).view(torch.uint8).sum()) for x in t.values() if x.numel())\n"
+        "rss, anon = vma(m.address)\n"
+        "assert rss > m.size // 2 and anon == 0, ('read pages stay the page cache`s', rss, anon)\n"
+        "name = max((n for n, x in t.items() if x.dtype == torch.float32), key=lambda n: t[n].numel())\n"
+        "t[name].fill_(7.0)\n"
+        "assert bool((t[name] == 7.0).all())\n"
+        "rss, anon = vma(m.address)\n"
+        "nbytes = t[name].numel() * 4\n"
+        "assert 0 < anon <= nbytes + 2 * 4096, ('only the written pages are copied', anon, nbytes)\n"
+        f"other = load_tensors({str(shard)!r}, names=[name])[name]\n"
+        "assert not bool((other == 7.0).all()), 'another map sees the write'\n"
+        "print('wrote', name, flush=True)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         preexec_fn=_no_core_dump)
+    assert run.returncode == 0 and "wrote" in run.stdout, (run.returncode, run.stderr[-1500:])
+    assert shard.read_bytes() == before, "the cache file never changes"
+
+
+def test_read_only_mapping_on_request_faults_on_write(converted, tmp_path):
+    """``writable=False`` keeps the old PROT_READ map: a write faults, and the file is untouched."""
     shard = sorted(converted["fnuz"].glob("*.safetensors"))[-1]
     before = shard.read_bytes()
     code = (
         "import sys; from transformd.loader import load_tensors\n"
-        f"t = load_tensors({str(shard)!r})\n"
+        f"t = load_tensors({str(shard)!r}, writable=False)\n"
         "name = next(n for n, x in t.items() if x.numel())\n"
         "print('mapped', flush=True)\n"
         "t[name].view(-1).view(__import__('torch').uint8)[0] = 7\n"

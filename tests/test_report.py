@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformd.formats import Target
 from transformd.reference import convert_reference
 from transformd.report import (
+    LEGEND,
     Report,
     TensorError,
     TensorRow,
@@ -262,6 +263,9 @@ def test_format_table(sample: Path):
     overall = report.overall
     assert lines[-1].startswith("overall (32 tensors)")
     assert f"{overall.rel_l2:.3e}" in lines[-1] and f"{100 * overall.exact_fraction:.3f}" in lines[-1]
+    with_legend = report.format_table(legend=True).splitlines()
+    assert with_legend[:-1] == lines and with_legend[-1] == LEGEND
+    assert "rel L2 = " in LEGEND and "exact % = " in LEGEND and "max abs err = " in LEGEND
     data = report.as_dict()
     assert data["overall"]["rel_l2"] == overall.rel_l2 and len(data["tensors"]) == 32
     json.dumps(data)

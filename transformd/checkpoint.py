@@ -62,6 +62,7 @@ Output (shared/DESIGN.md, "Output" and "config.json"):
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import math
@@ -112,6 +113,7 @@ __all__ = [
     "ConversionPlan",
     "ConversionResult",
     "MxPair",
+    "OutputError",
     "Progress",
     "ShardOrder",
     "ShardPlan",
@@ -211,16 +213,47 @@ class ConversionPlan:
         """Tensor bytes of all shards (headers not counted): the total that progress reports count up to."""
         return sum(s.header.data_bytes for s in self.shards)
 
+    @property
+    def convert_bytes(self) -> int:
+        """Code bytes of the MXFP8 weights to convert (``Progress.convert_bytes_total``)."""
+        return sum(p.weight.nbytes for p in self.selected)
+
 
 @dataclass(frozen=True)
 class Progress:
-    """Reported to ``progress`` after each tensor (and after each shard copied whole)."""
+    """Reported to ``progress`` after each tensor (and after each shard copied whole).
+
+    ``bytes_*`` count every input tensor byte; ``convert_bytes_*`` only the MXFP8 weights' codes, the
+    bytes that are converted rather than copied (much slower on the CPU): an ETA should come from
+    those (:class:`transformd.progress.Eta`).
+    """
 
     shard: str
     tensors_done: int
     tensors_total: int
     bytes_done: int
     bytes_total: int
+    convert_bytes_done: int = 0
+    convert_bytes_total: int = 0
+
+
+class OutputError(OSError):
+    """The output directory cannot be written: too little free space (checked before anything is written, and
+    ENOSPC/EDQUOT while writing), a read-only file system, no permission.
+
+    An :class:`OSError` with the original ``errno``; the message names the output directory the caller gave
+    (never the hidden staging directory beside it) and, for space, the bytes needed and free.
+    """
+
+    def __init__(self, errno_: int, message: str, *, out: Path, needed_bytes: int | None = None,
+                 free_bytes: int | None = None):
+        super().__init__(errno_, message)
+        self.out = out
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 @dataclass
@@ -241,6 +274,9 @@ class ConversionResult:
     host_buffer_bytes: int = 0
     #: Per engine, the TP sizes at which it loads the output right, and why not at others (:func:`plan_readiness`).
     readiness: dict[str, EngineReadiness] = field(default_factory=dict)
+    #: Tensors in the input shards, and their bytes (what progress counts up to).
+    tensors: int = 0
+    data_bytes: int = 0
 
 
 def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -> ConversionPlan:
@@ -591,14 +627,17 @@ class _Run:
     tally: _Tally = field(default_factory=_Tally)
     tensors_done: int = 0
     bytes_done: int = 0
+    convert_bytes_done: int = 0
     output_tensors: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (shard, nbytes)
 
-    def tick(self, shard: str, tensors: int, nbytes: int) -> None:
+    def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
         self.tensors_done += tensors
         self.bytes_done += nbytes
+        self.convert_bytes_done += converted
         if self.progress is not None:
             self.progress(
-                Progress(shard, self.tensors_done, self.plan.tensor_count, self.bytes_done, self.plan.data_bytes)
+                Progress(shard, self.tensors_done, self.plan.tensor_count, self.bytes_done, self.plan.data_bytes,
+                         self.convert_bytes_done, self.plan.convert_bytes)
             )
 
 
@@ -653,8 +692,16 @@ def convert_checkpoint(
     plan = plan_conversion(src, select=select)
     report = plan_readiness(plan, target)
     check_engine(report, engine, src)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging, staging_lock = _make_staging(out)
+    needed = output_bytes(plan, target)
+    _check_free_space(out, needed)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging, staging_lock = _make_staging(out)
+    except OSError as err:
+        wrapped = _output_error(err, src, out, needed, None)
+        if wrapped is None:
+            raise
+        raise wrapped from err
     run = _Run(
         plan, staging, target, scale_mode, max(1, chunk_bytes), max(1, host_memory_bytes), progress, shard_order
     )
@@ -664,8 +711,11 @@ def convert_checkpoint(
         _copy_other_files(run)
         _fsync_tree(staging)
         _publish(staging, out, overwrite)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        wrapped = _output_error(exc, src, out, needed, staging) if isinstance(exc, OSError) else None
+        if wrapped is not None:
+            raise wrapped from exc
         raise
     finally:
         os.close(staging_lock)
@@ -682,6 +732,8 @@ def convert_checkpoint(
         device=",".join(str(d) for d in devices),
         host_buffer_bytes=run.tally.buffers_peak,
         readiness=report,
+        tensors=plan.tensor_count,
+        data_bytes=plan.data_bytes,
     )
 
 
@@ -696,6 +748,107 @@ def _check_out(src: Path, out: Path, overwrite: bool) -> None:
     if any(out.iterdir()) and not overwrite:
         problem = "the output directory is not empty; pass --overwrite (overwrite=True) to replace it"
         raise CheckpointError(problem, file=out)
+
+
+#: Added to the estimate of the output's size: the rewritten config/index files and directory entries.
+_OUTPUT_SLACK_BYTES = 1 << 20
+
+
+def output_bytes(plan: ConversionPlan, target: Target | str = Target.FNUZ) -> int:
+    """About how many bytes :func:`convert_checkpoint` writes for ``plan``: every output shard (tensor data at its
+    output size, headers as in the input plus the new scale names), the files carried over, and some slack."""
+    target = Target(target)
+    total = _OUTPUT_SLACK_BYTES
+    for shard in plan.shards:
+        if not shard.rewrite:
+            total += shard.header.file_size
+            continue
+        header = shard.header.file_size - shard.header.data_bytes
+        total += header + 96 * len(shard.pairs) + sum(tensor_nbytes(d, s) for _, d, s in _output_specs(target, shard))
+    for rel in plan.other_files:
+        with contextlib.suppress(OSError):
+            total += os.stat(plan.src / rel).st_size
+    for name in (CONFIG_NAME, HF_QUANT_NAME, INDEX_NAME):
+        with contextlib.suppress(OSError):
+            total += os.stat(plan.src / name).st_size
+    return total
+
+
+def _existing_parent(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    return p
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``path`` (or its nearest parent)."""
+    try:
+        st = os.statvfs(_existing_parent(path))
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _check_free_space(out: Path, needed: int) -> None:
+    """Refuse before writing anything when the file system of ``out`` has less free space than the output needs."""
+    free = _free_bytes(out.parent)
+    if free is not None and free < needed:
+        raise OutputError(
+            errno.ENOSPC,
+            f"not enough free space for the output directory {out}: the conversion writes about {_human(needed)} "
+            f"({needed} bytes) and only {_human(free)} ({free} bytes) are free on the file system of "
+            f"{_existing_parent(out.parent)}; nothing was written. Free space there or choose another output "
+            "directory (--out)",
+            out=out, needed_bytes=needed, free_bytes=free,
+        )
+
+
+def _output_error(err: OSError, src: Path, out: Path, needed: int, staging: Path | None) -> OutputError | None:
+    """``err`` restated about ``out`` (the caller's directory, not the staging path) when it is a failure to write
+    the output; None when it is something else (e.g. reading the source)."""
+    if isinstance(err, OutputError):
+        return err
+    code = err.errno
+    where = _existing_parent(out.parent)
+    cleaned = "the partial output was removed and nothing" if staging is not None else "nothing"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        free = _free_bytes(out.parent)
+        what = "ran out of disk space" if code == errno.ENOSPC else "ran out of disk quota"
+        return OutputError(
+            code,
+            f"{what} writing the output directory {out}: the conversion writes about {_human(needed)} ({needed} "
+            f"bytes), {_human(free) if free is not None else '?'} are free on the file system of {where} now; "
+            f"{cleaned} was left beside it. Free space there or choose another output directory (--out)",
+            out=out, needed_bytes=needed, free_bytes=free,
+        )
+    if code == errno.EROFS:
+        return OutputError(
+            code,
+            f"cannot write the output directory {out}: {where} is on a read-only file system; {cleaned} was "
+            "written. Choose an output directory (--out) on a writable file system",
+            out=out,
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        name = os.fspath(err.filename) if err.filename is not None else None
+        within = (lambda d: name == str(d) or name.startswith(str(d).rstrip(os.sep) + os.sep)) if name else None
+        # a path beside or inside out (the staging directory) is ours; a source file we may not read is not
+        if name is None or (within(out.parent) and not within(src)):
+            return OutputError(
+                code,
+                f"cannot write the output directory {out}: permission denied in {out.parent} (the conversion "
+                f"writes a staging directory beside {out.name} and renames it into place); {cleaned} was written",
+                out=out,
+            )
+    return None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _convert_shards(run: _Run, devices: list[torch.device]) -> None:
@@ -1075,8 +1228,8 @@ class _Stages:
         if self._stop.is_set():
             raise _Stopped
 
-    def tick(self, shard: str, tensors: int, nbytes: int) -> None:
-        self._events.put(("tick", (shard, tensors, nbytes)))
+    def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
+        self._events.put(("tick", (shard, tensors, nbytes, converted)))
 
     def start(self, name: str, stage: Callable[[], None]) -> None:
         def body() -> None:
@@ -1095,7 +1248,7 @@ class _Stages:
         self._threads.append(thread)
         thread.start()
 
-    def wait(self, on_tick: Callable[[str, int, int], None]) -> None:
+    def wait(self, on_tick: Callable[[str, int, int, int], None]) -> None:
         """Apply ticks until every stage has exited; on an error (or an exception here) stop all, join, raise."""
         running = len(self._threads)
         try:
@@ -1236,7 +1389,8 @@ class _Lane:
                         for piece in scales:
                             self.to_writer.put(_Append(item.pair.out_scale_name, piece))
                         scales = []
-                        self.stages.tick(item.pair.weight_shard, 1, item.pair.weight.nbytes)
+                        nbytes = item.pair.weight.nbytes
+                        self.stages.tick(item.pair.weight_shard, 1, nbytes, converted=nbytes)
                 elif isinstance(item, _DropTensor):
                     self.stages.tick(item.shard, 1, item.tensor.nbytes)
                 else:

@@ -7,7 +7,9 @@ Conventions every subcommand keeps, so scripts can rely on them:
 * errors are one line on standard error, ``transformd: error: ...``; exit code 2
   for bad input (a malformed checkpoint, invalid MXFP8 values, a non-empty
   ``--out``, bad arguments), 1 for environment failures (I/O, no GPU);
-* the progress bar goes to standard error, and only when that is a terminal.
+* progress goes to standard error: a bar when that is a terminal, else a line every 5 s
+  (``--progress-every``); ``convert`` ends with a one-line summary there (bytes, tensors, time,
+  rate, target, mode, device, where).
 
 Other modules add subcommands with a function ``add_commands(subparsers)``
 that registers parsers whose defaults carry ``handler=<callable(args) -> int>``
@@ -70,7 +72,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                          help="output directory (must be empty or absent); without it the conversion goes into "
                               "the cache and a second call for the same checkpoint returns at once")
     convert.add_argument("--cache-dir", metavar="DIR", type=Path,
-                         help="cache root (default: $TRANSFORMD_CACHE_DIR, else ~/.cache/transformd)")
+                         help="cache root (default: $TRANSFORMD_CACHE_DIR, else $XDG_CACHE_HOME/transformd, "
+                              "else ~/.cache/transformd)")
     add_target_arguments(convert)
     convert.add_argument("--scale-mode", choices=[m.value for m in ScaleMode], default=ScaleMode.EXACT.value,
                          help="exact: power-of-two tile scales, lossless for normal values (default); "
@@ -82,6 +85,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     convert.add_argument("--report", action="store_true",
                          help="print the reconstruction error per tensor and overall before DIR")
+    convert.add_argument("--progress-every", metavar="S", type=float, default=5.0,
+                         help="seconds between progress lines when standard error is not a terminal (default 5)")
     convert.set_defaults(handler=_run_convert)
 
     sample = subparsers.add_parser(
@@ -89,11 +94,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="write a small MXFP8 MoE sample checkpoint",
         description="Write a small ModelOpt-layout MXFP8 MoE checkpoint into DIR; print DIR last.",
     )
-    sample.add_argument("dir", metavar="DIR", type=Path)
-    sample.add_argument("--layers", type=_positive_int, default=2)
-    sample.add_argument("--experts", type=_positive_int, default=4)
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--shards", type=_positive_int, default=2)
+    sample.add_argument("dir", metavar="DIR", type=Path, help="where to write it (created; must be empty or absent)")
+    sample.add_argument("--layers", type=_positive_int, default=2, help="decoder layers (default 2)")
+    sample.add_argument("--experts", type=_positive_int, default=4, help="MoE experts per layer (default 4)")
+    sample.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    sample.add_argument("--shards", type=_positive_int, default=2,
+                        help="safetensors files to spread it over (default 2)")
     sample.add_argument("--scale-suffix", choices=["weight_scale", "weight_scale_inv"], default="weight_scale",
                         help="ModelOpt (weight_scale) or MiniMax-style (weight_scale_inv) scale names")
     sample.add_argument("--fused-experts", action="store_true", help="3-D [E, N, K] expert tensors")
@@ -106,19 +112,27 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                     "which tensor-parallel sizes, and why not at others (exit 2 when none loads it). With two: "
                     "compare the MXFP8 checkpoint SRC with its conversion OUT; print the error table, then OUT.",
     )
-    inspect.add_argument("src", metavar="SRC", type=Path, help="a block-FP8 checkpoint, or the MXFP8 source of OUT")
-    inspect.add_argument("out", metavar="OUT", type=Path, nargs="?", help="the conversion of SRC")
+    inspect.add_argument("src", metavar="SRC", type=Path,
+                         help="a block-FP8 checkpoint (alone), or the MXFP8 checkpoint directory that was converted")
+    inspect.add_argument("out", metavar="OUT", type=Path, nargs="?",
+                         help="its conversion (a 'convert --out' directory or a cache entry's checkpoint/)")
     inspect.set_defaults(handler=_run_inspect)
 
     demo = subparsers.add_parser(
         "demo",
-        help="the main job on the built-in sample: write, convert, report, then hit the cache",
-        description="Write the sample MXFP8 checkpoint, convert it into a cache, report the reconstruction "
-                    "error of both scale modes, then resolve it again from the cache; print the converted directory.",
+        help="the main job on the built-in sample, through a daemon: serve, resolve, map, report, hit the cache",
+        description="Start a transformd daemon (on a private unix socket and cache in DIR, stopped at the end), "
+                    "write the sample MXFP8 checkpoint, resolve it through the HTTP API (which converts it), map "
+                    "the converted tensors, report the reconstruction error of both scale modes, then resolve it "
+                    "again from the cache; print the converted directory last. Everything stays in DIR "
+                    "(sample, cache, daemon.log); it is printed first.",
     )
     demo.add_argument("--dir", metavar="DIR", type=Path,
-                      help="working directory for the sample and its cache (default: a new temporary directory)")
-    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+                      help="working directory for the sample, the daemon's socket and log, and its cache (default: "
+                           "a new directory under $TMPDIR or /tmp, kept and printed so you can look at it; remove "
+                           "it when done)")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                      help="where the daemon converts (auto: the GPU when there is one)")
     demo.set_defaults(handler=_run_demo)
 
 
@@ -212,8 +226,9 @@ def _run_convert(args: argparse.Namespace) -> int:
     if args.out is None:
         return _run_convert_cached(args, target, why)
     from .checkpoint import convert_checkpoint
+    from .progress import ConvertProgress, summary
 
-    with _ProgressBar() as bar:
+    with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
         result = convert_checkpoint(
             args.src,
             args.out,
@@ -229,34 +244,56 @@ def _run_convert(args: argparse.Namespace) -> int:
     if result.left_out:
         print(f"transformd: note: not referenced by the index, not carried over: {', '.join(result.left_out)}",
               file=sys.stderr)
+    print(summary(result, f"into {result.out}"), file=sys.stderr, flush=True)
     if args.report:
         from .report import compare_checkpoints
 
-        print(compare_checkpoints(args.src, args.out).format_table())
-    print(args.out)
+        print(compare_checkpoints(args.src, result.out).format_table(legend=True))
+    print(result.out)
     return EXIT_OK
 
 
 def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     from .cache import Cache, Recipe
     from .checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
+    from .progress import ConvertProgress
 
     if args.overwrite:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
     if args.engine is not None:  # refuse before converting (headers only); the cache checks everything else
         check_engine(plan_readiness(plan_conversion(args.src, select=args.select), target), args.engine, args.src)
     cache = Cache(args.cache_dir, device=args.device)
-    with _ProgressBar() as bar:
+    with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
         entry = cache.get_or_convert(
             args.src, Recipe(target=target, scale_mode=args.scale_mode, select=args.select), progress=bar.update
         )
     _print_outcome(readiness_of_dir(entry.path), args.engine, target, why)
+    print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:
         from .report import compare_checkpoints
 
-        print(compare_checkpoints(args.src, entry.path).format_table())
+        print(compare_checkpoints(args.src, entry.path).format_table(legend=True))
     print(entry.path)
     return EXIT_OK
+
+
+def _cached_summary(entry) -> str:
+    """The last line on standard error of ``convert`` into the cache: how this call got the entry, with numbers."""
+    from .progress import summary
+
+    where = f"cache entry {entry.path}"
+    try:
+        manifest = entry.manifest
+        result = manifest.result if isinstance(manifest.result, dict) else {}
+        recipe = manifest.recipe
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"transformd: {entry.outcome}: {where}"
+    result = {"target": recipe.target, "scale_mode": recipe.scale_mode, **result}
+    if entry.outcome == "hit":
+        return (f"transformd: found in the cache (converted earlier, nothing converted now): "
+                f"target {result['target']}, scale mode {result['scale_mode']}; {where}")
+    how = "converted" if entry.outcome == "converted" else "another process converted"
+    return summary(result, where, how=how, timings=dict(manifest.timings or {}))
 
 
 def _run_sample(args: argparse.Namespace) -> int:
@@ -295,42 +332,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK if any(r.loads for r in report.values()) else EXIT_BAD_INPUT
     from .report import compare_checkpoints
 
-    print(compare_checkpoints(args.src, args.out).format_table())
+    print(compare_checkpoints(args.src, args.out).format_table(legend=True))
     print(args.out)
     return EXIT_OK
-
-
-class _ProgressBar:
-    """A tqdm bar over input bytes on standard error, only when standard error is a terminal."""
-
-    def __init__(self) -> None:
-        self._bar = None
-        self._enabled = sys.stderr.isatty()
-
-    def update(self, p) -> None:
-        """Take a checkpoint.Progress, or the cache's ConversionStatus carrying one (as a dict) in ``detail``."""
-        if not self._enabled:
-            return
-        detail = getattr(p, "detail", p)
-        if isinstance(detail, dict):
-            detail = argparse.Namespace(**detail)
-        total, done = getattr(detail, "bytes_total", None), getattr(detail, "bytes_done", None)
-        if total is None or done is None:
-            return
-        if self._bar is None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                             desc="converting", dynamic_ncols=True)
-        self._bar.update(done - self._bar.n)
-        self._bar.set_postfix_str(f"{detail.tensors_done}/{detail.tensors_total} tensors", refresh=False)
-
-    def __enter__(self) -> _ProgressBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ What an inference node does with transformd, in one command:
 1. start the daemon (``transformd serve`` on a private unix socket and cache),
 2. write the sample MXFP8 MoE checkpoint,
 3. resolve it through the HTTP API (the first request converts, on the GPU when there is one),
-4. map the converted tensors read-only (zero-copy) through the ``/files`` tensor tables,
+4. map the converted tensors (zero-copy, copy-on-write) through the ``/files`` tensor tables,
 5. report the reconstruction error of both scale modes,
 6. resolve again: the cache answers without converting.
 """
@@ -31,8 +31,11 @@ START_TIMEOUT_S = 60.0
 
 def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -> Path:
     """Run the demo in ``workdir`` (a new temporary directory by default); returns the converted directory."""
+    temporary = workdir is None
     workdir = Path(workdir).absolute() if workdir else Path(tempfile.mkdtemp(prefix="transformd-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    made = "a new temporary directory" if temporary else "--dir"
+    echo(f"0. working directory ({made}): {workdir}: the sample, the daemon's socket, log and cache")
     src = workdir / "sample-mxfp8"
     if not (src / "config.json").exists():
         write_sample_checkpoint(src)
@@ -58,17 +61,17 @@ def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -
                 dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
                 mapped = sum(t.numel() * t.element_size() for t in tensors.values())
                 echo(
-                    f"4. mapped {len(tensors)} tensors ({mapped / 2**20:.1f} MiB) read-only from "
+                    f"4. mapped {len(tensors)} tensors ({mapped / 2**20:.1f} MiB) copy-on-write from "
                     f"{len(tensors.mappings)} files, zero-copy: " + ", ".join(f"{n} {d}" for d, n in dtypes.items())
                 )
 
             report = compare_checkpoints(src, path)
-            echo("\n5. reconstruction error of the converted checkpoint (target fnuz, scale mode exact):")
-            echo(report.format_table())
+            echo("\n5. reconstruction error of the converted checkpoint, per converted weight:")
+            echo(report.format_table(legend=True))
             amax = compare_modes_checkpoint(src, "fnuz")["amax"].overall
             echo(
-                f"   scale mode amax (vLLM PR #45726 parity) would give: rel. L2 {amax.rel_l2:.3e}, "
-                f"bit-exact {100 * amax.exact_fraction:.3f}%"
+                f"   scale mode amax (vLLM PR #45726 parity) would give: rel L2 {amax.rel_l2:.3e}, "
+                f"exact {100 * amax.exact_fraction:.3f}%"
             )
 
             t0 = time.perf_counter()
@@ -78,6 +81,7 @@ def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -
             echo(f"\n6. second resolve: {warm * 1e3:.1f} ms from the cache (cache hits: {hits:g}), same path: {again == path}")
     finally:
         _stop_daemon(daemon)
+    echo(f"\nThe daemon was stopped; its files stay in {workdir} (remove them with: rm -rf {workdir})")
     return path
 
 

@@ -1,10 +1,10 @@
-"""Map converted shards read-only and hand out zero-copy torch tensors.
+"""Map converted shards copy-on-write and hand out zero-copy torch tensors.
 
-:func:`load_tensors` opens each safetensors file once, maps it whole with
-``mmap(..., access=ACCESS_READ)`` (a shared, read-only mapping), and cuts every tensor out of the
-mapping with :func:`torch.frombuffer`: no byte is copied or read until a tensor is touched, and
-the kernel pages the data in from the page cache. Because the mapping is shared and backed by the
-file, **every process on the node that maps the same file (every rank of a tensor-parallel engine,
+:func:`load_tensors` opens each safetensors file once, maps it whole (a private, copy-on-write
+mapping backed by the file), and cuts every tensor out of the mapping with :func:`torch.frombuffer`:
+no byte is copied or read until a tensor is touched, and the kernel pages the data in from the page
+cache. Because the mapping is backed by the file and pages are only copied when written,
+**every process on the node that maps the same file (every rank of a tensor-parallel engine,
 every replica) shares one copy of the data in the page cache**; loading N ranks costs the file's
 size in memory once, not N times, and a second start finds the pages already there.
 
@@ -17,10 +17,13 @@ Lifetime and safety:
 * each tensor holds a reference to its file's mapping (through the buffer ``torch.frombuffer``
   took), so the mapping lives exactly as long as some tensor, or a view of one, still uses it;
   nothing has to be closed by hand;
-* the mapping is read-only: **writing to a returned tensor kills the process with SIGSEGV** (the
-  page is mapped without write permission). Clone a tensor you need to modify, or pass
-  ``writable=True`` for a private copy-on-write mapping (pages stay shared until written; writes
-  never reach the file);
+* the mapping is private and copy-on-write (``MAP_PRIVATE``, ``MAP_NORESERVE`` where the platform has
+  it): reading shares the page cache as above; **writing to a returned tensor is allowed and changes
+  only this process's copy of the pages it touches**, never the file (the cache entry stays intact,
+  other processes keep seeing the file's bytes). Earlier versions mapped ``PROT_READ`` only, and a
+  write killed the process with SIGSEGV. A node with strict overcommit accounting
+  (``vm.overcommit_memory=2``) may refuse a private writable mapping of a large file; the loader then
+  falls back to a read-only mapping and warns that writing into those tensors would crash;
 * a cache entry evicted while mapped stays readable (Linux keeps an unlinked file's pages while a
   mapping holds it), but hold a lease (:meth:`TransformdClient.lease`) while serving so the next
   rank or restart still finds it;
@@ -34,6 +37,7 @@ only the source of that one copy.
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -106,16 +110,20 @@ def load_tensors(
     *,
     names: Iterable[str] | None = None,
     device: str | torch.device = "cpu",
-    writable: bool = False,
+    writable: bool = True,
 ) -> LoadedTensors:
-    """Every tensor (or those in ``names``) of the given safetensors files, as zero-copy views of read-only maps.
+    """Every tensor (or those in ``names``) of the given safetensors files, as zero-copy views of file maps.
 
     ``files_or_dir`` is a checkpoint directory (its ``*.safetensors`` files), a file, a list of
     files, or the daemon's ``/files`` answer (the dict, its ``files`` list, or
     :class:`~transformd.api.client.ShardFile` objects) whose tensor tables are used as they are.
     Unknown ``names`` raise :class:`KeyError`; a malformed file or table raises
     :class:`~transformd.safetensors_io.CheckpointError`. See the module docstring for lifetime,
-    write protection and page-cache sharing.
+    writes and page-cache sharing.
+
+    The maps are private and copy-on-write: writing into a tensor changes this process's copy only,
+    never the file. ``writable=False`` maps read-only (``PROT_READ``) instead, as earlier versions
+    did by default: no private memory can ever be charged, but a write kills the process (SIGSEGV).
     """
     plans = _plans(files_or_dir)
     wanted = None if names is None else set(names)
@@ -255,11 +263,33 @@ def _map(path: Path, expected_size: int | None, writable: bool) -> tuple[mmap.mm
             if size == 0:
                 raise CheckpointError("file is empty", file=path)
             # The mapping keeps its own reference to the file; closing f here is fine.
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY if writable else mmap.ACCESS_READ)
+            mm = _mmap_private(f.fileno(), path) if writable else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as err:
         raise CheckpointError(f"cannot map: {err.strerror or err}", file=path) from err
     base = _frombuffer(mm, torch.uint8, 1, 0).data_ptr()
     return mm, MappedFile(path, base, size)
+
+
+def _mmap_private(fd: int, path: Path) -> mmap.mmap:
+    """A private copy-on-write map of the whole file: reads share the page cache, writes copy the page they touch.
+
+    ``MAP_NORESERVE`` (Linux): no swap is reserved up front for pages that are, in the usual case, never
+    written. Where the kernel refuses the mapping for lack of commit (``vm.overcommit_memory=2``), fall
+    back to a read-only map, with a warning: writing into those tensors would then crash the process.
+    """
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0)
+    try:
+        return mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as err:
+        if err.errno != errno.ENOMEM:
+            raise
+    warnings.warn(
+        f"{path}: the kernel refused a private copy-on-write map (ENOMEM, strict overcommit?); mapped read-only: "
+        "writing into its tensors would kill the process, clone them first",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
 
 
 def _frombuffer(mm: mmap.mmap, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:

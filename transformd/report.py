@@ -33,6 +33,7 @@ from .reference import convert_reference, dequantize_block, dequantize_mx
 from .safetensors_io import read_header
 
 __all__ = [
+    "LEGEND",
     "Report",
     "TensorError",
     "TensorRow",
@@ -41,6 +42,12 @@ __all__ = [
     "compare_modes_checkpoint",
     "tensor_error",
 ]
+
+#: What the columns of :meth:`Report.format_table` mean (both sides decoded exactly, compared in float64).
+LEGEND = (
+    "rel L2 = ||converted - MXFP8||_2 / ||MXFP8||_2 over the decoded values; exact % = share of elements whose "
+    "converted value equals the MXFP8 value bit for bit; max abs err = largest |converted - MXFP8|"
+)
 
 #: safetensors dtype of a converted weight -> its target.
 _OUT_DTYPES = {Target.FNUZ.safetensors_dtype: Target.FNUZ, Target.OCP.safetensors_dtype: Target.OCP}
@@ -151,8 +158,9 @@ class Report:
         """Element-weighted exact fraction; rel L2 from the summed squares of all tensors."""
         return TensorError.combine(row.error for row in self.rows)
 
-    def format_table(self) -> str:
-        """A fixed-width table: tensor, shape, rel L2, exact %, max abs err; then the overall line."""
+    def format_table(self, *, legend: bool = False) -> str:
+        """A fixed-width table: tensor, shape, rel L2, exact %, max abs err; then the overall line
+        (and, with ``legend``, :data:`LEGEND`: what the columns mean)."""
         header = ("tensor", "shape", "rel L2", "exact %", "max abs err")
         lines = [(r.name, _shape(r.shape), *_cells(r.error)) for r in self.rows]
         overall = self.overall
@@ -166,6 +174,7 @@ class Report:
         rule = "-" * len(fmt(header))
         return "\n".join(
             [f"target {self.target}, scale mode {mode}", fmt(header), rule, *map(fmt, lines), rule, fmt(total)]
+            + ([LEGEND] if legend else [])
         )
 
     def as_dict(self) -> dict:

@@ -11,7 +11,8 @@ Endpoints (JSON; errors are ``{"error": {"status", "code", "message"}}``, codes 
     DELETE /v1/checkpoints/{key}                204 | 409 leased or converting | 404
     GET    /v1/checkpoints/{key}/files          {"files": [{name, path, final_path, size, digest, ready,
                                                  tensors: {NAME: {dtype, shape, offsets: [begin, end]}}}]}
-    GET    /v1/checkpoints/{key}/files/{name}   one file; 202 while not written (moves it to the front)
+    GET    /v1/checkpoints/{key}/files/{name}   metadata of one file (not its bytes); 202 while not written
+                                                (moves it to the front)
     POST   /v1/checkpoints/{key}/leases         {ttl_s, holder} -> 201 {id, key, expires_at}
     DELETE /v1/checkpoints/{key}/leases/{id}    204
     GET    /v1/cache                            root, usage_bytes, budget_bytes, free_bytes, entries

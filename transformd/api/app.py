@@ -27,6 +27,7 @@ from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
 from ..checkpoint import readiness_of_dir
 from ..engines import Platform, choose_target, detect_platform
+from .docs import install_docs
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
 from .metrics import CONTENT_TYPE, Metrics
@@ -217,12 +218,15 @@ def create_app(
         description="Converts MXFP8 checkpoints to 128x128 block FP8 once per node, caches them, and serves the "
         'converted shards for memory mapping. Errors are `{"error": {"status", "code", "message"}}`.',
         lifespan=lifespan,
+        docs_url=None,  # /docs and /redoc come from .docs, with local assets (the defaults load them from a CDN)
+        redoc_url=None,
         # every route: 401 on TCP without the token, 503 when the cache or the daemon cannot serve, 500 for bugs
         responses=_errors(401, 500, 503),
     )
     app.state.daemon = daemon
     install_error_handlers(app)
     _routes(app, daemon)
+    install_docs(app)
     _document_settings(app, settings)
     app.add_middleware(RequestCounter, metrics=metrics)  # innermost of the three: sees the matched route
     app.add_middleware(BodyLimit)
@@ -395,7 +399,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     @app.get(
         "/v1/checkpoints/{key}/files/{name}",
         response_model=FileModel,
-        summary="One shard; 202 (ready false) while it is not written yet, and the conversion moves it to the front",
+        summary="Metadata of one shard (path, size, digest, tensor table; not its bytes: map the path); 202 (ready "
+        "false) while it is not written yet, and the conversion moves it to the front",
         responses={202: {"model": FileModel, "description": "not written yet; requested"}, **_errors(400, 404, 409)},
         tags=["files"],
     )

@@ -99,7 +99,8 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         help="conversions waiting for a worker before requests get 503 (default 16)",
     )
-    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log verbosity on standard error (default info)")
     p.set_defaults(handler=cmd_serve, func=cmd_serve)
     return p
 

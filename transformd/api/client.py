@@ -503,6 +503,7 @@ class TransformdClient:
         poll_interval: float = 0.5,
         timeout: float | None = None,
         reconnect_s: float = DEFAULT_RECONNECT_S,
+        notice: Callable[[str], None] | None = None,
     ) -> Path:
         """The converted checkpoint directory of ``source``: converted now, or taken from the cache.
 
@@ -524,7 +525,9 @@ class TransformdClient:
         entry, when the old one published it before it died). After ``reconnect_s`` without an
         answer, :class:`DaemonUnavailableError` says so. ``reconnect_s=0``: fail at the first
         unanswered request. The first request is never waited for: a daemon that is not there at
-        all fails at once.
+        all fails at once. ``notice(message)`` hears of both events, one line each ("went away ...
+        waiting up to 60s", "reconnected ... after 4.2s; progress starts again"), so a caller can say
+        why progress jumps back.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -535,6 +538,23 @@ class TransformdClient:
         key = status.key
         delay = min(0.05, poll_interval)
         unreachable_since: float | None = None
+        lost: tuple[float, str] | None = None  # (when, how far it was) since the daemon went away, until it answers
+
+        def tell(message: str) -> None:
+            if notice is not None:
+                notice(message)
+
+        def went_away(why: str, last: CheckpointStatus | None) -> None:
+            nonlocal lost
+            if lost is not None:
+                return
+            p = last.progress if last is not None else None
+            done = f" at {p.fraction:.0%}" if p is not None and p.fraction else ""
+            lost = (time.monotonic(), done)
+            tell(f"transformd at {self.where} {why} while entry {key} was converting{done}; waiting up to "
+                 f"{reconnect_s:g}s for it to answer again")
+
+        last_seen: CheckpointStatus | None = status
         while True:
             if status is not None:
                 if progress is not None:
@@ -550,6 +570,7 @@ class TransformdClient:
                     err = status.error
                     if not (reconnect_s > 0 and err is not None and err.code in _DAEMON_STOPPING_CODES):
                         raise err or ConversionFailedError(f"conversion of {source} failed", code="failed")
+                    went_away("is stopping (it cancelled the conversion)", last_seen)
                     status = None  # the daemon is stopping: wait for its successor and ask it again
             if deadline is not None and time.monotonic() + delay > deadline:
                 if status is None:
@@ -573,12 +594,27 @@ class TransformdClient:
                     try:
                         status = self.status(status.key)
                     except NotFoundError:
+                        if lost is None:  # the daemon forgot the key: it restarted between two polls
+                            went_away("restarted (it no longer knew the conversion)", last_seen)
                         status = submit()
                 unreachable_since = None
+                if lost is not None:
+                    since, done = lost
+                    lost = None
+                    now_at = ""
+                    if status.ready:
+                        now_at = "; the entry is ready"
+                    elif status.progress is not None and status.progress.fraction is not None:
+                        now_at = f"; it is at {status.progress.fraction:.0%} now (was{done or ' not started'})"
+                    tell(f"reconnected to transformd at {self.where} after {time.monotonic() - since:.1f}s; "
+                         f"entry {key} is {status.state}{now_at}")
+                last_seen = status
             except DaemonUnavailableError as err:
                 now = time.monotonic()
                 if unreachable_since is None:
                     unreachable_since = now
+                    if reconnect_s > 0:
+                        went_away("went away", last_seen)
                 if now - unreachable_since >= reconnect_s:
                     raise DaemonUnavailableError(
                         f"transformd at {self.where} went away while entry {key} of {source} was converting and did "
@@ -695,9 +731,21 @@ class TransformdClient:
         """``GET /v1/cache``: usage, budget and entries, as the daemon sends them."""
         return self._json(self._request("GET", f"{_API}/cache"))
 
-    def health(self) -> dict[str, Any]:
-        """``GET /healthz``; raises unless the daemon answers 200."""
-        response = self._request("GET", "/healthz")
+    def health(self, *, degraded_ok: bool = False) -> dict[str, Any]:
+        """``GET /healthz``; raises unless the daemon answers 200.
+
+        ``degraded_ok``: a 503 that carries the daemon's health body (``status`` ``degraded`` and its
+        ``problems``) is returned instead of raised, so a caller can tell "degraded, and why" from "down".
+        """
+        response = self._request("GET", "/healthz", ok=(200, 503) if degraded_ok else (200,))
+        if response.status_code == 503:
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            if not (isinstance(body, dict) and isinstance(body.get("status"), str)):
+                raise self._error(response)  # a 503 of another kind (not the health body): an error as before
+            return body
         try:
             data = response.json()
         except ValueError:

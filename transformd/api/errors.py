@@ -87,8 +87,14 @@ def error_for_exception(exc: BaseException) -> ApiError:
     if isinstance(exc, CacheTimeoutError):
         return ApiError(504, "timeout", str(exc))
     if isinstance(exc, EntryLeasedError):
+        key = exc.key or "KEY"
+        holders = f" ({', '.join(exc.holders)})" if exc.holders else ""
         return ApiError(
-            409, "entry_leased", f"{exc}; release the leases (DELETE .../leases/ID) or wait for them to expire"
+            409,
+            "entry_leased",
+            f"checkpoint {key} is leased{holders}: it cannot be deleted while a lease is live. Wait for the "
+            f"leases to expire or for their holders to release them (DELETE /v1/checkpoints/{key}/leases/ID), "
+            f"or, on the node, remove it anyway with: transformd cache rm --force {key}",
         )
     if isinstance(exc, EntryNotFoundError):
         return ApiError(404, "unknown_key", str(exc))

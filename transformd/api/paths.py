@@ -86,8 +86,10 @@ class SourcePolicy:
             raise ApiError(
                 403,
                 "source_not_allowed",
-                f"source {source} (real path {real}) is outside the allowed roots ({self.describe()}); move or link "
-                "the checkpoint under one of them, or start the daemon with --allow-root for its directory",
+                f"source {source} (real path {real}) is outside the allowed roots ({self.describe()}). Sources are "
+                "checked after resolving symlinks, so a symlink under a root that points outside is refused too; "
+                f"move or copy the checkpoint under an allowed root, or restart the daemon with --allow-root "
+                f"{real} (or add it to TRANSFORMD_ALLOW_ROOTS)",
             )
         try:
             st = os.stat(real)
@@ -133,7 +135,9 @@ class SourcePolicy:
                             403,
                             "source_not_allowed",
                             f"{e.path} in source {source} is a symlink to {real}, outside the allowed roots "
-                            f"({self.describe()}); the daemon reads nothing outside them",
+                            f"({self.describe()}); the daemon reads nothing outside them, symlinks are resolved "
+                            f"first: replace the link by the file itself, or restart the daemon with --allow-root "
+                            f"{os.path.dirname(real)}",
                         )
                 try:
                     st = os.stat(real)

@@ -14,7 +14,10 @@ outside the allowed roots, not an MXFP8 checkpoint, bad arguments) or the conver
 the checkpoint's content; 1 when the daemon cannot be reached, fails (5xx) or the wait timed out.
 Errors are one line on standard error: ``transformd: error: ...``.
 
-``health`` exits 0 when ``GET /healthz`` answers 200 (the Dockerfile's HEALTHCHECK uses it).
+``health`` exits 0 when the daemon answers ``GET /healthz`` with status ``ok`` (the Dockerfile's
+HEALTHCHECK uses it), and 1 when it is degraded (the reasons are printed as text on standard error)
+or cannot be reached. ``--allow-degraded`` exits 0 for a degraded daemon too (a liveness probe: a
+degraded daemon still serves what it has cached, and restarting it does not mend a read-only disk).
 
 ``python -m transformd.api.resolve SRC ...`` runs ``resolve`` on its own.
 """
@@ -96,10 +99,15 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     health = subparsers.add_parser(
         "health",
         parents=[connection],
-        help="exit 0 when the daemon answers /healthz",
-        description="Check that the transformd daemon answers GET /healthz; exit 0 if so, 1 otherwise.",
+        help="exit 0 when the daemon is healthy, 1 when it is degraded or cannot be reached",
+        description="Ask the transformd daemon for GET /healthz and print its status. Exit 0 when it is ok; 1 when "
+                    "it is degraded (the reasons, e.g. a cache directory that is not writable, are printed on "
+                    "standard error) or cannot be reached.",
     )
     health.add_argument("--quiet", "-q", action="store_true", help="print nothing when healthy")
+    health.add_argument("--allow-degraded", action="store_true",
+                        help="exit 0 for a degraded daemon too (still printing why): for liveness probes, since a "
+                             "degraded daemon still serves its cache and a restart does not mend its disk")
     health.set_defaults(handler=run_health, func=run_health)
 
 
@@ -139,6 +147,7 @@ def run_resolve(args: argparse.Namespace) -> int:
                 poll_interval=args.poll_interval,
                 timeout=args.timeout,
                 reconnect_s=args.reconnect,
+                notice=reporter.notice,
             )
     except TransformdError as err:
         reporter.close()
@@ -166,22 +175,23 @@ def _say_target_and_readiness(body: dict[str, Any], engine: str | None) -> None:
 
 
 def run_health(args: argparse.Namespace) -> int:
-    """Handler of ``transformd health``."""
+    """Handler of ``transformd health``: 0 ok; 1 degraded (reasons on standard error) or unreachable."""
     try:
         with _client(args) as client:
-            data = client.health()
+            data = client.health(degraded_ok=True)
     except TransformdError as err:
         return _fail(err, EXIT_FAILURE)
     status = str(data.get("status", "ok"))
-    problems = data.get("problems") or []
-    if status.lower() not in ("ok", "degraded"):
-        return _fail(f"transformd at {client.where} reports status {status!r}: {'; '.join(map(str, problems))}",
-                     EXIT_FAILURE)
-    if status.lower() == "degraded":  # it serves; say why it is degraded, but stay healthy for the probe
-        print(f"transformd: warning: degraded: {'; '.join(map(str, problems)) or 'no reason given'}", file=sys.stderr)
-    if not args.quiet:
+    problems = [" ".join(str(p).split()) for p in (data.get("problems") or [])]
+    if not args.quiet or status.lower() != "ok":
         print(status)
-    return EXIT_OK
+    if status.lower() == "ok":
+        return EXIT_OK
+    reasons = "; ".join(problems) or "no reason given"
+    if status.lower() == "degraded" and getattr(args, "allow_degraded", False):
+        print(f"transformd: warning: transformd at {client.where} is degraded: {reasons}", file=sys.stderr)
+        return EXIT_OK
+    return _fail(f"transformd at {client.where} is {status}: {reasons}", EXIT_FAILURE)
 
 
 class ProgressReporter:
@@ -230,6 +240,14 @@ class ProgressReporter:
             return
         self._last_line = now
         print(f"transformd: {status.key[:12]} {describe(status)}", file=self._stream, flush=True)
+
+    def notice(self, message: str) -> None:
+        """A line about the connection (the daemon went away, reconnected), so progress that starts over
+        is explained; the next update prints (or starts a new bar) whatever its state."""
+        self.close()
+        print(f"transformd: {message}", file=self._stream, flush=True)
+        self._last_state = "notice"
+        self._last_line = None
 
     def close(self) -> None:
         if self._bar is not None:

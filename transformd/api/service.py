@@ -31,6 +31,7 @@ from typing import Any
 import anyio.to_thread
 
 from ..cache import Cache, ConversionStatus, Entry, Recipe, SourceIdentity
+from ..progress import Eta, counters
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
 from .paths import SourcePolicy
@@ -126,6 +127,7 @@ class Job:
         self.validation: asyncio.Task[None] | None = None
         self._progress = ProgressInfo("validating", updated_at=self.created_at)
         self._rate = _RateMeter()
+        self._eta = Eta()
 
     @property
     def active(self) -> bool:
@@ -167,8 +169,10 @@ class Job:
         if isinstance(done, int):
             rate = self._rate.add(time.monotonic(), done)
             changes["rate_bytes_per_s"] = None if rate is None else round(rate, 1)
-            if rate and total is not None:
-                changes["eta_s"] = round(max(0, total - done) / rate, 1)
+            if total is not None:  # from the bytes still to convert, not from fast copies (transformd.progress)
+                eta = self._eta.update({**counters(status.detail), "bytes_done": done, "bytes_total": total})
+                if eta is not None:
+                    changes["eta_s"] = round(eta, 1)
         self._set_progress(**changes)
 
     def finish(self, entry: Entry) -> None:

@@ -87,6 +87,7 @@ from .errors import (
     EntryLeasedError,
     EntryNotFoundError,
     InvalidKeyError,
+    NotACacheError,
     SourceError,
 )
 from .keys import FileRecord, Recipe, SourceIdentity, cache_key, source_identity, validate_key
@@ -106,6 +107,7 @@ from .store import (
     TransformdConverter,
     VerifyResult,
     default_root,
+    existing_root,
 )
 
 __all__ = [
@@ -132,6 +134,7 @@ __all__ = [
     "InvalidKeyError",
     "Lease",
     "Manifest",
+    "NotACacheError",
     "Recipe",
     "SourceError",
     "SourceIdentity",
@@ -139,6 +142,7 @@ __all__ = [
     "VerifyResult",
     "cache_key",
     "default_root",
+    "existing_root",
     "human_bytes",
     "parse_size",
     "source_identity",

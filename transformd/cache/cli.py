@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from ._fs import human_bytes
 from .errors import CacheError
-from .store import Cache, VerifyResult
+from .store import Cache, VerifyResult, existing_root
 
 #: Exit codes, as in :mod:`transformd.cli`: 1 environment failure or corrupt entries found, 2 bad arguments.
 EXIT_OK = 0
@@ -49,7 +49,10 @@ def _table(rows: list[list[str]], header: list[str], out: TextIO, *, right: Sequ
 
 
 def _open(args: argparse.Namespace) -> Cache:
-    return Cache(args.cache_dir, budget_bytes=getattr(args, "budget", None) if args.cache_command == "gc" else None)
+    """The cache these commands look at; it must exist already (a mistyped --cache-dir is refused, exit 2, and
+    not created: only commands that convert create a cache)."""
+    root = existing_root(args.cache_dir)
+    return Cache(root, budget_bytes=getattr(args, "budget", None) if args.cache_command == "gc" else None)
 
 
 def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -220,7 +223,8 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
         "--cache-dir",
         metavar="DIR",
         default=None,
-        help="cache root (default: $TRANSFORMD_CACHE_DIR, $XDG_CACHE_HOME/transformd or ~/.cache/transformd)",
+        help="cache root (default: $TRANSFORMD_CACHE_DIR, $XDG_CACHE_HOME/transformd or ~/.cache/transformd); "
+        "it must be an existing transformd cache: these commands never create one (exit 2 otherwise)",
     )
     p = subparsers.add_parser(
         "cache",
@@ -249,7 +253,7 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     gc.set_defaults(func=_guard(cmd_gc), handler=_guard(cmd_gc))
 
     rm = sub.add_parser("rm", parents=[common], help="remove entries")
-    rm.add_argument("keys", nargs="+", metavar="KEY")
+    rm.add_argument("keys", nargs="+", metavar="KEY", help="entry keys, as 'transformd cache ls' shows them")
     rm.add_argument("--force", action="store_true", help="remove even while a live lease holds the entry")
     rm.set_defaults(func=_guard(cmd_rm), handler=_guard(cmd_rm))
     return p

@@ -13,6 +13,11 @@ class InvalidKeyError(CacheError, ValueError):
     """A string that is not a cache key (32 lowercase hex digits) was given as one."""
 
 
+class NotACacheError(CacheError, ValueError):
+    """A command that only reads or maintains a cache was pointed at a directory that is not one (missing, or
+    not created by transformd): a mistyped ``--cache-dir`` must not silently become a new, empty cache."""
+
+
 class EntryNotFoundError(CacheError, LookupError):
     """No entry with this key is in the cache (never converted, evicted, removed or quarantined)."""
 
@@ -30,7 +35,16 @@ class SourceError(CacheError, ValueError):
 
 
 class EntryLeasedError(CacheError):
-    """The entry is leased by a live holder; it cannot be removed without ``force``."""
+    """The entry is leased by a live holder; it cannot be removed without ``force``.
+
+    ``key`` and ``holders`` (the live leases' holder names, or their pids) let a caller word its own
+    advice: the daemon's ``DELETE`` has no force, the CLI has ``--force``.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, holders: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.key = key
+        self.holders = tuple(holders)
 
 
 class CacheFullError(CacheError):

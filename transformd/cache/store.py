@@ -37,6 +37,7 @@ from .errors import (
     DiskFullError,
     EntryLeasedError,
     EntryNotFoundError,
+    NotACacheError,
     SourceError,
 )
 from .keys import (
@@ -134,6 +135,41 @@ def default_root(root: str | os.PathLike[str] | None = None) -> Path:
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "transformd"
     return Path.home() / ".cache" / "transformd"
+
+
+def existing_root(root: str | os.PathLike[str] | None = None) -> Path:
+    """:func:`default_root`, checked to be a cache transformd created; else :class:`NotACacheError`.
+
+    For commands that only read or maintain a cache (``transformd cache ls|verify|gc|rm``): unlike
+    :class:`Cache`, which creates its root, they must not turn a mistyped directory into an empty cache.
+    A cache is recognised by its ``CACHEDIR.TAG`` (written by transformd) or by ``entries/`` with
+    ``config.json``.
+    """
+    path = default_root(root)
+    if root is not None and os.fspath(root) != "":
+        source = "--cache-dir"
+    elif os.environ.get(ENV_CACHE_DIR):
+        source = f"${ENV_CACHE_DIR}"
+    else:
+        source = "the default cache directory"
+    hint = (
+        f"check --cache-dir and ${ENV_CACHE_DIR} (default $XDG_CACHE_HOME/transformd, else ~/.cache/transformd); "
+        "a cache is created by 'transformd convert' without --out or by 'transformd serve'"
+    )
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise NotACacheError(f"no transformd cache at {path} ({source}): it {what}; {hint}")
+    tag = path / "CACHEDIR.TAG"
+    try:
+        tagged = tag.is_file() and "transformd" in tag.read_text(encoding="utf-8", errors="replace")[:4096]
+    except OSError:
+        tagged = False
+    if not (tagged or ((path / "entries").is_dir() and (path / "config.json").is_file())):
+        raise NotACacheError(
+            f"{path} ({source}) is not a transformd cache (no CACHEDIR.TAG written by transformd, no entries/ "
+            f"and config.json); {hint}"
+        )
+    return path
 
 
 @dataclass(frozen=True)
@@ -1091,10 +1127,13 @@ class Cache:
                 raise EntryNotFoundError(key, self.root)
             live = [lease for lease in read_leases(self.leases_dir, key) if lease.is_live()]
             if live and not force:
+                holders = tuple(lease.holder or f"pid {(lease.owner or {}).get('pid', '?')}" for lease in live)
                 raise EntryLeasedError(
-                    f"cache entry {key} is leased by {len(live)} live holder(s) "
-                    f"({', '.join(lease.holder or str((lease.owner or {}).get('pid', '?')) for lease in live)}); "
-                    f"use force to remove it anyway"
+                    f"cache entry {key} is leased by {len(live)} live holder(s) ({', '.join(holders)}); wait for "
+                    f"the leases to be released or expire, or remove it anyway with force=True "
+                    f"(transformd cache rm --force {key})",
+                    key=key,
+                    holders=holders,
                 )
             info = next((e for e in self._scan_entries() if e.key == key), None)
             moved = self._move_to_trash(key)

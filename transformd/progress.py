@@ -1,0 +1,193 @@
+"""How far a conversion is and how long it still takes, for people: the ETA, and the lines and bar that show it.
+
+A checkpoint holds two kinds of bytes that move at very different speeds: MXFP8 weights, which are
+converted (on the CPU at ~150 MB/s with the PyTorch reference), and everything else (BF16
+embeddings, norms, other shards), which is copied at disk speed. An ETA over all bytes is far too
+optimistic while the copies run ("38% ... 00:00 left" with most of the time still ahead), so
+:class:`Eta` estimates from the bytes **still to convert** and the rate at which they are being
+converted, over a sliding window. Only when nothing is left to convert (or the checkpoint has no
+MXFP8 weight) does it fall back to all bytes.
+
+Progress updates are anything with the counters of :class:`transformd.checkpoint.Progress`
+(``bytes_done``, ``bytes_total``, ``tensors_done``, ``tensors_total``, ``convert_bytes_done``,
+``convert_bytes_total``), as attributes or as a dict (the cache's ``ConversionStatus.detail``).
+
+No torch here: the daemon and the command line use it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+__all__ = ["RATE_WINDOW_S", "ConvertProgress", "Eta", "counters", "human_bytes", "human_seconds", "summary"]
+
+#: Window of the rate estimates (seconds).
+RATE_WINDOW_S = 10.0
+_COUNTERS = ("tensors_done", "tensors_total", "bytes_done", "bytes_total", "convert_bytes_done", "convert_bytes_total")
+
+
+def counters(update: Any) -> dict[str, int]:
+    """The progress counters of ``update`` (a Progress, a dict, or an object carrying one in ``detail``)."""
+    detail = getattr(update, "detail", update)
+    get = detail.get if isinstance(detail, dict) else (lambda name: getattr(detail, name, None))
+    out = {}
+    for name in _COUNTERS:
+        value = get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            out[name] = value
+    return out
+
+
+class _Rate:
+    """Units per second over the last :data:`RATE_WINDOW_S` seconds of (time, count) samples."""
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, t: float, count: int) -> float | None:
+        if self._samples and (count < self._samples[-1][1] or count == self._samples[-1][1] == 0):
+            self._samples.clear()  # counting started over, or has not started: the rate starts from here
+        self._samples.append((t, count))
+        while len(self._samples) > 2 and t - self._samples[1][0] >= RATE_WINDOW_S:
+            self._samples.popleft()
+        t0, c0 = self._samples[0]
+        return (count - c0) / (t - t0) if t - t0 >= 0.2 and count > c0 else None
+
+
+class Eta:
+    """Seconds left, from the bytes still to convert (see the module docstring); ``None`` until it can tell."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._convert = _Rate()
+        self._all = _Rate()
+        self.rate: float | None = None  #: all bytes per second, for display
+
+    def update(self, update: Any) -> float | None:
+        c = counters(update)
+        now = self._clock()
+        done, total = c.get("bytes_done"), c.get("bytes_total")
+        self.rate = None if done is None else self._all.add(now, done)
+        conv_done, conv_total = c.get("convert_bytes_done"), c.get("convert_bytes_total")
+        if conv_done is not None and conv_total and conv_done < conv_total:
+            rate = self._convert.add(now, conv_done)
+            return None if not rate else (conv_total - conv_done) / rate
+        if done is None or total is None:
+            return None
+        if done >= total:
+            return 0.0
+        return None if not self.rate else (total - done) / self.rate
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def human_seconds(s: float) -> str:
+    """``75`` -> ``"1m15s"``; ``4.2`` -> ``"4s"``."""
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+class ConvertProgress:
+    """Progress of ``transformd convert`` on ``stream``: a tqdm bar on a terminal, else one line every
+    ``every_s`` seconds (the first ``every_s`` after the first update, so a short conversion prints none).
+    The ETA is :class:`Eta`'s. Use as the ``progress`` callback; :meth:`close` at the end."""
+
+    def __init__(self, stream: TextIO, *, every_s: float = 5.0, tty: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._stream = stream
+        self._tty = stream.isatty() if tty is None else tty
+        self._every = every_s
+        self._clock = clock
+        self._eta = Eta(clock)
+        self._bar: Any = None
+        self._next_line: float | None = None
+
+    def update(self, update: Any) -> None:
+        c = counters(update)
+        eta = self._eta.update(update)
+        if "bytes_total" not in c or "bytes_done" not in c:
+            return
+        if self._tty:
+            self._update_bar(c, eta)
+            return
+        now = self._clock()
+        if self._next_line is None:
+            self._next_line = now + self._every
+        elif now >= self._next_line:
+            self._next_line = now + self._every
+            state = getattr(update, "state", None) or "converting"
+            print(f"transformd: {state} {self.describe(c, self._eta.rate, eta)}", file=self._stream, flush=True)
+
+    @staticmethod
+    def describe(c: dict[str, int], rate: float | None, eta: float | None) -> str:
+        """``120.0 MiB/694.0 MiB (17%), 40/400 tensors, 48.0 MiB/s, ~9s left``."""
+        done, total = c.get("bytes_done", 0), c.get("bytes_total", 0)
+        parts = [f"{human_bytes(done)}/{human_bytes(total)} ({done / total if total else 1:.0%})"]
+        if c.get("tensors_total"):
+            parts.append(f"{c.get('tensors_done', 0)}/{c['tensors_total']} tensors")
+        if rate:
+            parts.append(f"{human_bytes(rate)}/s")
+        parts.append(f"~{human_seconds(eta)} left" if eta is not None else "estimating time left")
+        return ", ".join(parts)
+
+    def _update_bar(self, c: dict[str, int], eta: float | None) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
+
+            # tqdm's own ETA counts every byte alike (fast copies too): show Eta's instead
+            self._bar = tqdm(total=c["bytes_total"], unit="B", unit_scale=True, unit_divisor=1024, file=self._stream,
+                             desc="converting", dynamic_ncols=True,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                        "[{elapsed}, {rate_fmt}{postfix}]")
+        self._bar.total = c["bytes_total"]
+        self._bar.update(max(0, c["bytes_done"] - self._bar.n))
+        left = f"~{human_seconds(eta)} left" if eta is not None else "estimating"
+        self._bar.set_postfix_str(f"{c.get('tensors_done', 0)}/{c.get('tensors_total', 0)} tensors, {left}",
+                                  refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> ConvertProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def summary(result: Any, where: str, *, how: str = "converted", timings: dict[str, float] | None = None) -> str:
+    """The one line ``transformd convert`` ends with (standard error): bytes, tensors, time, rate, target,
+    mode, device and where the result is. ``result`` is a :class:`transformd.checkpoint.ConversionResult`
+    or its JSON form (a cache entry's ``manifest.result``)."""
+    get = result.get if isinstance(result, dict) else (lambda name, default=None: getattr(result, name, default))
+    data = get("data_bytes", 0) or get("bytes_read", 0) or 0
+    seconds = float(get("seconds", 0.0) or 0.0)
+    tensors, converted = get("tensors", 0) or 0, len(get("converted", None) or [])
+    rate = f", {human_bytes(data / seconds)}/s" if seconds > 0 else ""
+    steps = ""
+    if timings:
+        named = [(k, timings[k]) for k in ("identify", "convert", "publish") if k in timings]
+        steps = " (" + ", ".join(f"{k} {v:.1f} s" for k, v in named) + ")" if named else ""
+        seconds = float(timings.get("total", seconds))
+    counted = f"{tensors} tensors, " if tensors else ""
+    return (
+        f"transformd: {how} {human_bytes(data)} ({counted}{converted} MXFP8 weights converted) in {seconds:.1f} s"
+        f"{steps}{rate}; target {get('target', '?')}, scale mode {get('scale_mode', '?')}, on {get('device', '?')}; "
+        f"{where}"
+    )
