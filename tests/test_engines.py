@@ -270,9 +270,10 @@ def test_engine_that_cannot_load_is_refused_before_anything_is_written(tmp_path:
     assert "sglang could not load" in capsys.readouterr().err
     # without --engine: converted, with a warning per engine that cannot load it
     assert cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 0
-    err = capsys.readouterr().err.splitlines()
+    *err, summary = capsys.readouterr().err.splitlines()
     assert len(err) == 3 and all(line.startswith("transformd: warning: ") for line in err), err
     assert "sglang could not load this checkpoint at any TP size: TP 1: model.layers.*" in err[1]
+    assert summary.startswith("transformd: converted ")
     assert cli.main(["inspect", str(tmp_path / "out")]) == 2
     out = capsys.readouterr().out
     assert "sglang: does not load" in out and "vllm: does not load" in out

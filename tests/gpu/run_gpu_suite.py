@@ -93,6 +93,7 @@ def run(dry_run: bool) -> dict:
     from transformd.reference import convert_reference
     from transformd.sample import write_sample_checkpoint
 
+    from tests.layouts import LAYOUTS
     from tests.oracles import numpy_oracle
     from tests.test_kernels import AWKWARD, _invalid_cases, random_mx
 
@@ -181,9 +182,9 @@ def run(dry_run: bool) -> dict:
 
     tally.check("convert_weight chunked and on-device", chunked)
 
-    def checkpoint() -> None:
+    def checkpoint(make: Callable[[Path], Path]) -> None:
         with tempfile.TemporaryDirectory(prefix="td-gpu-") as tmp:
-            src = write_sample_checkpoint(Path(tmp) / "src", layers=1 if dry_run else 2, experts=2 if dry_run else 8)
+            src = make(Path(tmp) / "src")
             for target in ("fnuz", "ocp"):
                 on_gpu = convert_checkpoint(src, Path(tmp) / f"gpu-{target}", target=target, device=str(device))
                 convert_checkpoint(src, Path(tmp) / f"cpu-{target}", target=target, device="cpu")
@@ -195,7 +196,12 @@ def run(dry_run: bool) -> dict:
                     b = (Path(tmp) / f"cpu-{target}" / n).read_bytes()
                     assert a == b, f"{n} differs between the GPU and the CPU conversion ({target})"
 
-    tally.check("convert_checkpoint on the device == on the CPU", checkpoint)
+    def sample(path: Path) -> Path:
+        return write_sample_checkpoint(path, layers=1 if dry_run else 2, experts=2 if dry_run else 8)
+
+    tally.check("convert_checkpoint on the device == on the CPU", lambda: checkpoint(sample))
+    for name, make in LAYOUTS.items():  # fused HF-v5 stacks, Quark per_block scales, F8_E8M0 scales, ...
+        tally.check(f"convert_checkpoint of the {name} layout on the device == on the CPU", lambda m=make: checkpoint(m))
 
     files = source_digests()
     try:
