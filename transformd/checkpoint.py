@@ -312,6 +312,9 @@ def _shard_layout(src: Path) -> tuple[dict[str, Any] | None, list[str]]:
         if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
             problem = f"maps to {shard!r}, which is not a file name in the directory"
             raise CheckpointError(problem, file=src / INDEX_NAME, tensor=name)
+        if shard.startswith("."):  # hidden names are never read (nor identified, nor carried over)
+            problem = f"maps to {shard!r}, a hidden name; shards must not start with '.'"
+            raise CheckpointError(problem, file=src / INDEX_NAME, tensor=name)
         if not (src / shard).is_file():
             raise CheckpointError(f"maps to {shard}, which does not exist", file=src / INDEX_NAME, tensor=name)
     return index, sorted(set(weight_map.values()))

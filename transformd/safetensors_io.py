@@ -174,7 +174,8 @@ def read_header(path: str | os.PathLike[str]) -> Header:
                 raise CheckpointError(f"file is {size} bytes, shorter than the 8-byte header length", file=path)
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"header length {n} is above the limit of {MAX_HEADER_BYTES} bytes", file=path)
+                # the length itself is not quoted: it is the file's first 8 bytes, whatever the file is
+                raise CheckpointError(f"header length is above the limit of {MAX_HEADER_BYTES} bytes", file=path)
             if 8 + n > size:
                 raise CheckpointError(f"header length {n} runs past the end of the {size}-byte file", file=path)
             raw = f.read(n)

@@ -144,6 +144,7 @@ def create_app(settings: Settings | None = None, *, converter: Any = None, cache
         cache = Cache(
             settings.cache_dir, budget_bytes=settings.cache_budget, converter=converter, device=settings.device
         )
+    cache.allowed_roots = policy.roots  # every source file is checked on its open descriptor (cache.securefs)
     if os.environ.get("TRANSFORMD_TEST_HOOKS"):  # test-only (see .testing); off unless the variable is set
         from .testing import apply_test_hooks
 

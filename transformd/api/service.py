@@ -306,8 +306,17 @@ class ConversionService:
             raise error_for_exception(exc) from exc
 
     def _identify_blocking(self, source: str) -> SourceIdentity:
-        real = self.policy.resolve(source)
-        return self.cache.identity(real)
+        self.policy.check_allowed(source)
+        return self.cache.identity(source)
+
+    def _plan_blocking(self, job: Job) -> ConversionOutline | None:
+        """The converter's check of the job's source, reading only the checked descriptors (a view)."""
+        with self.cache.open_source(job.source) as tree:
+            view = tree.view()
+            try:
+                return plan_of(self.converter, view, job.recipe)
+            except BaseException as exc:
+                raise tree.relocate(exc, view)  # noqa: B904 - the same exception, naming the source
 
     # ------------------------------------------------------------------ jobs
 
@@ -341,7 +350,7 @@ class ConversionService:
 
     async def _validate(self, job: Job) -> None:
         try:
-            outline = await anyio.to_thread.run_sync(plan_of, self.converter, job.source, job.recipe)
+            outline = await anyio.to_thread.run_sync(self._plan_blocking, job)
         except Exception as exc:  # noqa: BLE001 - every failure of the check is reported as an API error
             err = error_for_exception(exc)
             outcome = "invalid" if err.status == 422 else "failed"

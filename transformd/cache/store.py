@@ -47,14 +47,15 @@ from .keys import (
     SourceIdentity,
     StatCache,
     cache_key,
-    changed_files,
     hash_file,
+    identity_of_tree,
     source_identity,
     validate_key,
 )
 from .lease import Lease, lease_path, new_lease_id, read_leases, validate_lease_id, write_lease
 from .lock import FileLock, SharedExclusiveLock, process_alive, process_identity
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest, jsonable
+from .securefs import SourceTree, open_source
 
 #: Environment variable naming the cache root.
 ENV_CACHE_DIR = "TRANSFORMD_CACHE_DIR"
@@ -353,6 +354,8 @@ class Cache:
         self._fault_hook: Callable[[str], None] | None = None
         self._ensure_layout()
         self.stat_cache = StatCache(self.root / "stat-cache")
+        #: real paths every source file must resolve inside (checked on the open descriptors); None: no check
+        self.allowed_roots: tuple[str, ...] | None = None
         if cleanup:
             self.cleanup()
 
@@ -496,7 +499,11 @@ class Cache:
 
     def identity(self, src: str | os.PathLike[str]) -> SourceIdentity:
         """The content identity of ``src`` (hashes only files the stat cache does not know)."""
-        return source_identity(Path(src), stat_cache=self.stat_cache)
+        return source_identity(Path(src), stat_cache=self.stat_cache, roots=self.allowed_roots)
+
+    def open_source(self, src: str | os.PathLike[str]) -> SourceTree:
+        """Every file of ``src`` opened and checked against :attr:`allowed_roots` (see :mod:`.securefs`)."""
+        return open_source(src, self.allowed_roots)
 
     def key_for(self, src: str | os.PathLike[str], recipe: Recipe | None = None) -> str:
         return cache_key(self.identity(src), recipe or Recipe())
@@ -561,8 +568,24 @@ class Cache:
         :class:`CacheTimeoutError`.
         """
         recipe = recipe or Recipe()
+        with self.open_source(src) as tree:
+            return self._get_or_convert(
+                tree, src, recipe, progress, converter, timeout, lease_ttl, poll_interval
+            )
+
+    def _get_or_convert(
+        self,
+        tree: SourceTree,
+        src: str | os.PathLike[str],
+        recipe: Recipe,
+        progress: Callable[[ConversionStatus], None] | None,
+        converter: Converter | None,
+        timeout: float | None,
+        lease_ttl: float | None,
+        poll_interval: float,
+    ) -> Entry:
         t0 = time.monotonic()
-        ident = self.identity(src)
+        ident = identity_of_tree(tree, stat_cache=self.stat_cache)
         key = cache_key(ident, recipe)
         identify_s = time.monotonic() - t0
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -592,6 +615,7 @@ class Cache:
                     self._convert_locked(
                         key,
                         Path(src).absolute(),
+                        tree,
                         ident,
                         recipe,
                         converter or self.converter,
@@ -634,6 +658,7 @@ class Cache:
         self,
         key: str,
         src: Path,
+        tree: SourceTree,
         ident: SourceIdentity,
         recipe: Recipe,
         converter: Converter,
@@ -654,10 +679,17 @@ class Cache:
             stage.mkdir()
             out = stage / CHECKPOINT_DIR
             t = time.monotonic()
-            result = converter(src, out, recipe, writer)
+            # The converter reads the checked descriptors only (a view of the tree), never the source by name:
+            # what it reads is what the key covers, and nothing outside the roots.
+            view = tree.view()
+            try:
+                result = converter(view, out, recipe, writer)
+            except BaseException as exc:
+                raise tree.relocate(exc, view)  # noqa: B904 - the same exception, naming the source
+            result = _relocate(jsonable(result), str(view), str(src))
             timings["convert"] = time.monotonic() - t
             self._hook("converted")
-            changed = changed_files(ident)
+            changed = tree.changed()
             if changed:
                 raise SourceError(
                     f"source checkpoint {src} changed while it was converted ({', '.join(changed[:5])}"
@@ -682,7 +714,7 @@ class Cache:
                 files=files,
                 created_at=time.time(),
                 timings={k: round(v, 6) for k, v in timings.items()},
-                result=_relocate(jsonable(result), str(stage), str(self.entries_dir / key)),
+                result=_relocate(result, str(stage), str(self.entries_dir / key)),
                 transformd_version=__version__,
                 host=writer.owner["host"],
             )
