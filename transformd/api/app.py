@@ -8,6 +8,7 @@ service's threads. See :mod:`transformd.api` for the endpoints and :mod:`.errors
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio.to_thread
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi import Path as FastApiPath
 from fastapi.responses import JSONResponse, Response
 
@@ -28,6 +29,7 @@ from .files import EntryIndex
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
+from .peers import SCOPE_KEY, Caller, denied
 from .schemas import (
     CacheModel,
     CheckpointInfo,
@@ -66,6 +68,49 @@ class Daemon:
     policy: SourcePolicy
     device: str
     gauges_at: float = 0.0
+    #: uids that passed the read check for a key (a POST of a source they could read): key -> uids
+    readers: dict[str, set[int]] = dataclasses.field(default_factory=dict)
+
+    def caller(self, request: Request) -> Caller:
+        """The request's caller: the unix peer's credentials, or the configured identity of TCP token holders."""
+        caller = request.scope.get(SCOPE_KEY)
+        if isinstance(caller, Caller):
+            return caller
+        if request.scope.get("server") and request.scope["server"][1] is not None:  # TCP (the token was checked)
+            return self.settings.tcp_caller()
+        return Caller(-1, frozenset(), None, "unix (credentials unknown)")
+
+    def is_admin(self, caller: Caller) -> bool:
+        return caller.uid in self.settings.admins()
+
+    def grant(self, key: str, caller: Caller) -> None:
+        uids = self.readers.setdefault(key, set())
+        if len(uids) < 4096:
+            uids.add(caller.uid)
+
+    def may_see(self, key: str, caller: Caller) -> bool | None:
+        """True when ``caller`` may be served ``key`` without another check; None: check the source (blocking)."""
+        if caller.uid == 0 or self.is_admin(caller) or caller.uid in self.readers.get(key, ()):
+            return True
+        return None
+
+    def check_source_of(self, key: str, caller: Caller) -> bool:
+        """Blocking: whether ``caller`` could read the source this entry (or job) was made from."""
+        job = self.service.job(key)
+        source: str | None = str(job.source) if job is not None else None
+        if source is None:
+            info = self.entries.info(key)
+            source = info.source if info is not None else None
+        if not source:
+            return False
+        try:
+            with self.cache.open_source(source) as tree:
+                ok = denied(caller, tree.facts()) is None
+        except Exception:  # noqa: BLE001 - a source that cannot be opened proves nothing: refuse
+            return False
+        if ok:
+            self.grant(key, caller)
+        return ok
 
     def refresh_gauges(self) -> None:
         """Blocking: scan the entries for the size gauges."""
@@ -226,6 +271,18 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
 def _routes(app: FastAPI, d: Daemon) -> None:
     cache, service, entries, metrics = d.cache, d.service, d.entries, d.metrics
 
+    async def authorize(request: Request, key: str) -> Caller:
+        """The caller, if it may be served ``key``: it could read the key's source itself (or is an admin)."""
+        caller = d.caller(request)
+        if d.may_see(key, caller) or await _thread(d.check_source_of, key, caller):
+            return caller
+        raise ApiError(
+            403,
+            "permission_denied",
+            f"{caller.describe()} may not use checkpoint {key}: it is served only to callers who can read its "
+            "source (POST /v1/checkpoints with a source you can read)",
+        )
+
     @app.post(
         "/v1/checkpoints",
         response_model=CheckpointInfo,
@@ -237,11 +294,21 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         },
         tags=["checkpoints"],
     )
-    async def post_checkpoint(body: CheckpointRequest) -> Response:
+    async def post_checkpoint(body: CheckpointRequest, request: Request) -> Response:
         recipe = Recipe(target=body.target, scale_mode=body.scale_mode, select=body.select)
         source = d.policy.check_syntax(body.source)
+        caller = d.caller(request)
         ident = await service.identify(source)
+        why = denied(caller, ident.access) if ident.access is not None else None
+        if why is not None:
+            raise ApiError(
+                403,
+                "permission_denied",
+                f"{caller.describe()} may not read source {source} ({why} is missing); the daemon converts and "
+                "serves a source only for callers who could read every file of it themselves",
+            )
         key = cache_key(ident, recipe)
+        d.grant(key, caller)
         job = service.job(key)
         if job is None or not job.active:
             invalid = service.known_invalid(key, ident.path)
@@ -267,8 +334,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404),
         tags=["checkpoints"],
     )
-    async def get_checkpoint(key: KeyParam) -> Response:
+    async def get_checkpoint(key: KeyParam, request: Request) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
             return _json(job_view(job))
@@ -294,8 +362,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404, 409),
         tags=["checkpoints"],
     )
-    async def delete_checkpoint(key: KeyParam) -> Response:
+    async def delete_checkpoint(key: KeyParam, request: Request) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
             raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is being converted; delete it when ready")
@@ -319,8 +388,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404, 409),
         tags=["files"],
     )
-    async def get_files(key: KeyParam) -> Response:
+    async def get_files(key: KeyParam, request: Request) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
             return _json(await _thread(job_files, entries, job))
@@ -336,9 +406,10 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses={202: {"model": FileModel, "description": "not written yet; requested"}, **_errors(400, 404, 409)},
         tags=["files"],
     )
-    async def get_file(key: KeyParam, name: NameParam) -> Response:
+    async def get_file(key: KeyParam, name: NameParam, request: Request) -> Response:
         check_key(key)
         check_file_name(name)
+        await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
             obj = await _thread(job_file, entries, job, name)
@@ -390,8 +461,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404, 409, 413),
         tags=["leases"],
     )
-    async def post_lease(key: KeyParam, body: LeaseRequest | None = None) -> Response:
+    async def post_lease(key: KeyParam, request: Request, body: LeaseRequest | None = None) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         body = body or LeaseRequest(ttl_s=d.settings.default_lease_ttl_s)
         if body.ttl_s > d.settings.max_lease_ttl_s:
             raise ApiError(
@@ -419,8 +491,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404),
         tags=["leases"],
     )
-    async def delete_lease(key: KeyParam, lease_id: LeaseIdParam) -> Response:
+    async def delete_lease(key: KeyParam, lease_id: LeaseIdParam, request: Request) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         if not LEASE_ID_RE.fullmatch(lease_id):
             raise ApiError(404, "unknown_lease", f"no lease {lease_id[:40]!r} (lease ids are 16 lowercase hex digits)")
         released = await _thread(cache.release_lease, lease_id, key)

@@ -27,6 +27,7 @@ from typing import Any
 
 import uvicorn
 
+from .peers import peer_protocol
 from .settings import Settings, SettingsError
 
 log = logging.getLogger("transformd.api")
@@ -162,9 +163,19 @@ def open_listeners(settings: Settings) -> Listeners:
     return out
 
 
+def _http_protocol() -> type:
+    """uvicorn's HTTP protocol (httptools when installed, as uvicorn's "auto"), with the unix peer's credentials."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return peer_protocol(base)
+
+
 def build_server(app: Any, settings: Settings) -> uvicorn.Server:
     config = uvicorn.Config(
         app,
+        http=_http_protocol(),
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
         lifespan="on",
