@@ -70,6 +70,8 @@ class Daemon:
     gauges_at: float = 0.0
     #: uids that passed the read check for a key (a POST of a source they could read): key -> uids
     readers: dict[str, set[int]] = dataclasses.field(default_factory=dict)
+    #: the uid whose request started the conversion of a key (it may delete the entry): key -> uid
+    creators: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def caller(self, request: Request) -> Caller:
         """The request's caller: the unix peer's credentials, or the configured identity of TCP token holders."""
@@ -320,7 +322,18 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 metrics.cache_hits.inc()
                 return _json(entry_view(info, job))
         metrics.cache_misses.inc()
-        job = await service.ensure_job(key, ident.path, recipe)
+        if not d.is_admin(caller) and service.queued_by(caller.uid) >= d.settings.max_queued_per_caller:
+            job = service.job(key)
+            if job is None or not job.active:
+                raise ApiError(
+                    429,
+                    "caller_queue_full",
+                    f"{caller.describe()} already has {d.settings.max_queued_per_caller} conversions queued or "
+                    "running; wait for them",
+                    headers={"Retry-After": "5"},
+                )
+        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid)
+        d.creators.setdefault(key, job.uid if job.uid is not None else caller.uid)
         if job.state == "ready":
             info = await _thread(entries.info, key)
             if info is not None:
@@ -366,6 +379,13 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         check_key(key)
         caller = await authorize(request, key)
         job = service.job(key)
+        if not d.is_admin(caller) and d.creators.get(key) != caller.uid:
+            raise ApiError(
+                403,
+                "not_owner",
+                f"{caller.describe()} did not create checkpoint {key}: only the caller whose request converted it "
+                "(or an admin) may delete it",
+            )
         if job is not None and job.active:
             raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is being converted; delete it when ready")
         try:
@@ -474,9 +494,19 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         job = service.job(key)
         if job is not None and job.active:
             raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is still converting; lease it once ready")
+        if not d.is_admin(caller):
+            held = await _thread(_live_leases_of, cache, caller.uid)
+            if held >= d.settings.max_leases_per_caller:
+                raise ApiError(
+                    429,
+                    "too_many_leases",
+                    f"{caller.describe()} already holds {held} live leases (at most "
+                    f"{d.settings.max_leases_per_caller} per caller); release some (DELETE .../leases/ID) first",
+                    headers={"Retry-After": "60"},
+                )
         try:
             lease = await anyio.to_thread.run_sync(
-                lambda: cache.acquire_lease(key, body.ttl_s, holder=body.holder, pid=None)
+                lambda: cache.acquire_lease(key, body.ttl_s, holder=body.holder, pid=None, uid=caller.uid)
             )
         except EntryNotFoundError:
             raise _unknown_key(key) from None
@@ -496,17 +526,21 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         caller = await authorize(request, key)
         if not LEASE_ID_RE.fullmatch(lease_id):
             raise ApiError(404, "unknown_lease", f"no lease {lease_id[:40]!r} (lease ids are 16 lowercase hex digits)")
-        released = await _thread(cache.release_lease, lease_id, key)
-        if not released:
+        lease = await _thread(cache.get_lease, key, lease_id)
+        mine = lease is not None and (lease.uid == caller.uid or d.is_admin(caller))
+        released = mine and await _thread(cache.release_lease, lease_id, key)
+        if not released:  # another caller's lease reads exactly like one that does not exist
             raise ApiError(404, "unknown_lease", f"no lease {lease_id} on checkpoint {key} (released or expired)")
         return Response(status_code=204)
 
     @app.get("/v1/cache", response_model=CacheModel, summary="Usage, budget and entries of the cache", tags=["cache"])
-    async def get_cache() -> Response:
-        body = await _thread(_cache_view, d)
+    async def get_cache(request: Request) -> Response:
+        caller = d.caller(request)
+        body = await _thread(_cache_view, d, caller)
         body["conversions"] = [
             {"key": j.key, "state": j.state, "source": str(j.source), "progress": j.progress.as_dict()}
             for j in service.active_jobs()
+            if d.is_admin(caller) or d.may_see(j.key, caller)
         ]
         return _json(body)
 
@@ -534,17 +568,27 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _cache_view(d: Daemon) -> dict[str, Any]:
+def _live_leases_of(cache: Cache, uid: int) -> int:
+    now = time.time()
+    return sum(1 for lease in cache.leases() if lease.uid == uid and lease.is_live(now))
+
+
+def _cache_view(d: Daemon, caller: Caller | None = None) -> dict[str, Any]:
+    """The cache as ``caller`` may see it: an admin everything; others the entries they may be served, with
+    their own leases only (lease ids are capabilities to release)."""
+    admin = caller is None or d.is_admin(caller)
     usage = d.cache.usage()
     now = time.time()
     leases: dict[str, list[dict[str, Any]]] = {}
     for lease in d.cache.leases():
-        if lease.is_live(now):
+        if lease.is_live(now) and (admin or lease.uid == caller.uid):
             leases.setdefault(lease.key, []).append(
                 {"id": lease.id, "key": lease.key, "expires_at": lease.expires_at, "holder": lease.holder}
             )
     out = []
     for e in d.cache.entries():
+        if not admin and not d.may_see(e.key, caller):
+            continue
         info = d.entries.info(e.key)
         out.append(
             {

@@ -112,6 +112,8 @@ class Job:
         self.key = key
         self.source = source
         self.recipe = recipe
+        #: uid of the caller whose request created the job (None: unknown)
+        self.uid: int | None = None
         self.priority = ShardPriority()
         self.outline: ConversionOutline | None = None
         self.state = "queued"
@@ -320,7 +322,11 @@ class ConversionService:
 
     # ------------------------------------------------------------------ jobs
 
-    async def ensure_job(self, key: str, source: Path, recipe: Recipe) -> Job:
+    def queued_by(self, uid: int) -> int:
+        """Active (queued or converting) jobs started by ``uid``."""
+        return sum(1 for j in self._jobs.values() if j.active and j.uid == uid)
+
+    async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None) -> Job:
         """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
 
         Raises :class:`ApiError`: 422 invalid checkpoint (for every request waiting on the check), 503 queue
@@ -342,6 +348,7 @@ class ConversionService:
                 )
             self._prune()
             job = Job(key, source, recipe)
+            job.uid = uid
             self._jobs[key] = job
             job.validation = asyncio.ensure_future(self._validate(job))
         assert job.validation is not None

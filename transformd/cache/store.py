@@ -974,7 +974,9 @@ class Cache:
 
     # ------------------------------------------------------------------ leases
 
-    def acquire_lease(self, key: str, ttl_s: float, *, holder: str = "", pid: int | None = CURRENT_PROCESS) -> Lease:
+    def acquire_lease(
+        self, key: str, ttl_s: float, *, holder: str = "", pid: int | None = CURRENT_PROCESS, uid: int | None = None
+    ) -> Lease:
         """Protect entry ``key`` from eviction for ``ttl_s`` seconds (renewable).
 
         ``pid``: the holding process (default: this one; the lease stops protecting when it
@@ -986,7 +988,7 @@ class Cache:
             raise ValueError(f"lease ttl must be positive, not {ttl_s}")
         owner = None if pid is None else process_identity(None if pid == CURRENT_PROCESS else pid)
         now = time.time()
-        lease = Lease(key, new_lease_id(), now, now + ttl_s, holder, owner)
+        lease = Lease(key, new_lease_id(), now, now + ttl_s, holder, owner, uid)
         self._write_lease_checked(lease)
         return lease
 
@@ -994,7 +996,9 @@ class Cache:
         """Extend ``lease`` to ``ttl_s`` seconds from now (recreating it if gc removed it as expired)."""
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be positive, not {ttl_s}")
-        renewed = Lease(lease.key, lease.id, lease.created_at, time.time() + ttl_s, lease.holder, lease.owner)
+        renewed = Lease(
+            lease.key, lease.id, lease.created_at, time.time() + ttl_s, lease.holder, lease.owner, lease.uid
+        )
         self._write_lease_checked(renewed)
         return renewed
 
