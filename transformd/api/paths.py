@@ -50,6 +50,10 @@ class SourcePolicy:
         """The source string if it is a plausible absolute path; a 400 error otherwise. Touches nothing."""
         if not source or len(source) > MAX_PATH_CHARS or "\0" in source:
             raise ApiError(400, "bad_source", f"source must be an absolute path of 1..{MAX_PATH_CHARS} characters")
+        try:
+            source.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): no file name can hold it
+            raise ApiError(400, "bad_source", "source is not valid Unicode (a lone surrogate?)") from None
         if not os.path.isabs(source):
             raise ApiError(
                 400,

@@ -203,6 +203,11 @@ def read_token_file(path: Path) -> bytes:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             raise SettingsError(f"token file {path} is not a regular file")
+        if stat.S_IMODE(st.st_mode) & 0o077:  # like ssh with a private key: a shared secret must not be shared
+            raise SettingsError(
+                f"token file {path} is accessible to group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                f"anyone who can read it can use the daemon: run `chmod 600 {path}` and start again"
+            )
         if st.st_size > MAX_TOKEN_BYTES:
             raise SettingsError(f"token file {path} is {st.st_size} bytes; a token is one short line")
         with open(path, "rb") as f:
