@@ -26,7 +26,7 @@ scale ``X.weight_scale`` (ModelOpt) or ``X.weight_scale_inv`` (MiniMax style),
 stored ``U8`` or ``F8_E8M0``, 2-D ``[N, K]`` or 3-D fused experts ``[E, N, K]``.
 Every other tensor is copied byte for byte.
 
-``select`` (a regular expression, ``re.search`` on the weight name) restricts
+``select`` (a regular expression, RE2's ``search`` on the weight name) restricts
 which pairs are converted. Pairs it leaves out are carried over *unchanged*:
 they stay MXFP8, so the output is then not a pure block-FP8 checkpoint. Their
 module names are recorded in ``quantization_config.transformd.unconverted_mxfp8``
@@ -271,13 +271,16 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
     )
 
 
-def _compile_select(select: str | None) -> re.Pattern[str] | None:
+def _compile_select(select: str | None) -> Any:
+    """``select`` compiled for linear-time matching (:mod:`transformd.selectre`), or None."""
     if select is None:
         return None
+    from .selectre import SelectError, compile_select
+
     try:
-        return re.compile(select)
-    except re.error as err:
-        raise CheckpointError(f"--select {select!r} is not a valid regular expression: {err}") from None
+        return compile_select(select)
+    except SelectError as err:
+        raise CheckpointError(f"--select {select[:200]!r} is refused: {err}") from None
 
 
 def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
@@ -288,7 +291,12 @@ def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     if not path.is_file():  # a FIFO would block the read forever; a directory or device is no JSON file either
         raise CheckpointError("is not a regular file", file=path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        # O_NONBLOCK, then fstat: a file swapped for a FIFO after the check above is refused, never waited on
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError("is not a regular file", file=path)
+            data = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError, RecursionError) as err:  # ValueError: bad UTF-8/JSON, integers past the digit limit
         raise CheckpointError(f"cannot be read as JSON: {str(err)[:200]}", file=path) from None
     if not isinstance(data, dict):

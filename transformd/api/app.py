@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import anyio
 import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi import Path as FastApiPath
@@ -72,6 +73,7 @@ class Daemon:
     readers: dict[str, set[int]] = dataclasses.field(default_factory=dict)
     #: the uid whose request started the conversion of a key (it may delete the entry): key -> uid
     creators: dict[str, int] = dataclasses.field(default_factory=dict)
+    _health_limiter: anyio.CapacityLimiter | None = None
 
     def caller(self, request: Request) -> Caller:
         """The request's caller: the unix peer's credentials, or the configured identity of TCP token holders."""
@@ -81,6 +83,12 @@ class Daemon:
         if request.scope.get("server") and request.scope["server"][1] is not None:  # TCP (the token was checked)
             return self.settings.tcp_caller()
         return Caller(-1, frozenset(), None, "unix (credentials unknown)")
+
+    def health_limiter(self) -> anyio.CapacityLimiter:
+        """Threads of /healthz only: its answer never waits behind other work."""
+        if self._health_limiter is None:
+            self._health_limiter = anyio.CapacityLimiter(4)
+        return self._health_limiter
 
     def is_admin(self, caller: Caller) -> bool:
         return caller.uid in self.settings.admins()
@@ -276,7 +284,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     async def authorize(request: Request, key: str) -> Caller:
         """The caller, if it may be served ``key``: it could read the key's source itself (or is an admin)."""
         caller = d.caller(request)
-        if d.may_see(key, caller) or await _thread(d.check_source_of, key, caller):
+        if d.may_see(key, caller) or await anyio.to_thread.run_sync(
+            d.check_source_of, key, caller, limiter=service.source_limiter()
+        ):
             return caller
         raise ApiError(
             403,
@@ -548,7 +558,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     async def healthz() -> Response:
         from .. import __version__
 
-        problems = await anyio.to_thread.run_sync(_health_problems, cache)
+        problems = await anyio.to_thread.run_sync(_health_problems, cache, limiter=d.health_limiter())
         if service.closing:
             problems.append("shutting down")
         body = {

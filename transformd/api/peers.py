@@ -20,6 +20,7 @@ under :data:`SCOPE_KEY`, once per connection.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -114,14 +115,44 @@ def denied(caller: Caller, facts: AccessFacts, shown: Any = None) -> str | None:
 # ---------------------------------------------------------------------------------------------------- uvicorn
 
 
-def peer_protocol(base: type) -> type:
-    """A subclass of uvicorn's HTTP protocol ``base`` that puts the unix peer's :class:`Caller` into every scope."""
+def _raw_error(status: int, reason: str, code: str, message: str) -> bytes:
+    body = json.dumps({"error": {"status": status, "code": code, "message": message}}).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\nretry-after: 5\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, header_timeout_s: float = 10.0) -> type:
+    """A subclass of uvicorn's HTTP protocol ``base``: the unix peer's :class:`Caller` in every scope, a limit of
+    open connections per listener kind (``{"unix": n, "tcp": m}``; past it, a JSON 503 and close, so a flood of
+    TCP connections never takes the unix socket's capacity), and a deadline for the first request's headers (an
+    idle or trickling connection gets a JSON 408 and is closed; uvicorn's keep-alive timeout covers the rest)."""
+    limits = dict(max_connections or {})
+    counts = {"unix": 0, "tcp": 0}
 
     class PeerProtocol(base):  # type: ignore[misc, valid-type]
+        _td_refused = False
+        _td_kind: str | None = None
+        _td_timer: Any = None
+
         def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
             sock = transport.get_extra_info("socket")
-            if sock is None or getattr(sock, "family", None) != socket.AF_UNIX:
+            kind = "unix" if sock is not None and getattr(sock, "family", None) == socket.AF_UNIX else "tcp"
+            limit = limits.get(kind)
+            if limit is not None and counts[kind] >= limit:
+                self._td_refused = True
+                transport.write(_raw_error(503, "Service Unavailable", "too_many_connections",
+                                           f"this daemon's {kind} listener has {limit} open connections; retry "
+                                           "later (idle connections are closed after a few seconds)"))
+                transport.close()
+                return
+            counts[kind] += 1
+            self._td_kind = kind
+            super().connection_made(transport)
+            self._td_timer = self.loop.call_later(header_timeout_s, self._td_header_deadline)
+            if kind != "unix":
                 return
             caller = peer_caller(sock)
             app = self.app
@@ -131,6 +162,38 @@ def peer_protocol(base: type) -> type:
                 await app(scope, receive, send)
 
             self.app = with_caller
+
+        def _td_header_deadline(self) -> None:
+            if getattr(self, "cycle", None) is None and not self.transport.is_closing():
+                self.transport.write(_raw_error(408, "Request Timeout", "request_timeout",
+                                                f"no complete request within {header_timeout_s:g} s"))
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._td_refused:
+                super().data_received(data)
+
+        def eof_received(self) -> None:
+            if not self._td_refused:
+                super().eof_received()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._td_refused:
+                return
+            if self._td_timer is not None:
+                self._td_timer.cancel()
+            if self._td_kind is not None:
+                counts[self._td_kind] -= 1
+                self._td_kind = None
+            super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            if not self._td_refused:
+                super().pause_writing()
+
+        def resume_writing(self) -> None:
+            if not self._td_refused:
+                super().resume_writing()
 
     PeerProtocol.__name__ = PeerProtocol.__qualname__ = f"Peer{base.__name__}"
     return PeerProtocol

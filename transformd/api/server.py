@@ -38,6 +38,8 @@ SOCKET_DIR_MODE = 0o750
 BACKLOG = 1024
 #: Connections and in-flight requests uvicorn serves at once; more get 503.
 MAX_CONCURRENCY = 2048
+#: Seconds an idle keep-alive connection stays open.
+KEEP_ALIVE_S = 5
 
 
 def bind_unix_socket(path: Path) -> socket.socket:
@@ -163,25 +165,28 @@ def open_listeners(settings: Settings) -> Listeners:
     return out
 
 
-def _http_protocol() -> type:
-    """uvicorn's HTTP protocol (httptools when installed, as uvicorn's "auto"), with the unix peer's credentials."""
+def _http_protocol(settings: Settings) -> type:
+    """uvicorn's HTTP protocol (httptools when installed, as uvicorn's "auto") with the unix peer's credentials,
+    connection limits per listener kind and a deadline for request headers (see :func:`.peers.peer_protocol`)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    return peer_protocol(base)
+    limits = {"unix": settings.max_unix_connections, "tcp": settings.max_tcp_connections}
+    return peer_protocol(base, max_connections=limits, header_timeout_s=settings.header_timeout_s)
 
 
 def build_server(app: Any, settings: Settings) -> uvicorn.Server:
     config = uvicorn.Config(
         app,
-        http=_http_protocol(),
+        http=_http_protocol(settings),
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
         lifespan="on",
         proxy_headers=False,
         server_header=False,
-        limit_concurrency=MAX_CONCURRENCY,
+        limit_concurrency=None,  # per listener instead (peers.peer_protocol): a TCP flood never blocks the socket
+        timeout_keep_alive=KEEP_ALIVE_S,
         backlog=BACKLOG,
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
     )

@@ -44,6 +44,8 @@ FINISHED_TTL_S = 3600.0
 MAX_FINISHED_JOBS = 1024
 #: Window of the transfer rate estimate (seconds).
 RATE_WINDOW_S = 10.0
+#: Threads for work on sources (identify, plan, permission checks of an entry's source).
+SOURCE_THREADS = 16
 #: How often a waiting worker polls another process' conversion (seconds).
 POLL_INTERVAL_S = 0.2
 
@@ -221,6 +223,14 @@ class ConversionService:
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._closing = False
+        #: worker threads for work on sources (listing, hashing, planning): they may block on a slow or hostile
+        #: source, so they get their own pool; health, status and cached lookups never wait for it
+        self._source_limiter: anyio.CapacityLimiter | None = None
+
+    def source_limiter(self) -> anyio.CapacityLimiter:
+        if self._source_limiter is None:
+            self._source_limiter = anyio.CapacityLimiter(SOURCE_THREADS)
+        return self._source_limiter
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -291,7 +301,9 @@ class ConversionService:
         """
         fut = self._identifying.get(source)
         if fut is None:
-            fut = asyncio.ensure_future(anyio.to_thread.run_sync(self._identify_blocking, source))
+            fut = asyncio.ensure_future(
+                anyio.to_thread.run_sync(self._identify_blocking, source, limiter=self.source_limiter())
+            )
             self._identifying[source] = fut
 
             def forget(f: asyncio.Future[SourceIdentity]) -> None:
@@ -357,7 +369,7 @@ class ConversionService:
 
     async def _validate(self, job: Job) -> None:
         try:
-            outline = await anyio.to_thread.run_sync(self._plan_blocking, job)
+            outline = await anyio.to_thread.run_sync(self._plan_blocking, job, limiter=self.source_limiter())
         except Exception as exc:  # noqa: BLE001 - every failure of the check is reported as an API error
             err = error_for_exception(exc)
             outcome = "invalid" if err.status == 422 else "failed"

@@ -106,6 +106,11 @@ class Settings(BaseSettings):
     admin_uids: Annotated[list[int], NoDecode] = Field(default_factory=list, description="admin uids")
     max_leases_per_caller: int = Field(64, ge=1, le=100_000, description="live leases one uid may hold")
     max_queued_per_caller: int = Field(4, ge=1, le=100_000, description="queued conversions of one uid")
+    #: open connections per listener kind; past them a JSON 503 (a TCP flood never takes the unix socket's)
+    max_unix_connections: int = Field(2048, ge=1, le=1_000_000)
+    max_tcp_connections: int = Field(256, ge=1, le=1_000_000)
+    #: seconds a new connection has to send its first request's headers (else a JSON 408 and close)
+    header_timeout_s: float = Field(10.0, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     #: seconds the daemon waits for cancelled conversions to clean up when it stops
     shutdown_grace_s: float = Field(10.0, ge=0)
@@ -203,11 +208,6 @@ def read_token_file(path: Path) -> bytes:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             raise SettingsError(f"token file {path} is not a regular file")
-        if stat.S_IMODE(st.st_mode) & 0o077:  # like ssh with a private key: a shared secret must not be shared
-            raise SettingsError(
-                f"token file {path} is accessible to group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                f"anyone who can read it can use the daemon: run `chmod 600 {path}` and start again"
-            )
         if st.st_size > MAX_TOKEN_BYTES:
             raise SettingsError(f"token file {path} is {st.st_size} bytes; a token is one short line")
         with open(path, "rb") as f:
@@ -218,5 +218,10 @@ def read_token_file(path: Path) -> bytes:
         raise SettingsError(
             f"token file {path} must hold one line of at least {MIN_TOKEN_CHARS} printable ASCII characters "
             "without spaces (e.g. `openssl rand -hex 32 > FILE`)"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:  # like ssh with a private key: a shared secret must not be shared
+        raise SettingsError(
+            f"token file {path} is accessible to group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"anyone who can read it can use the daemon: run `chmod 600 {path}` and start again"
         )
     return token
