@@ -32,6 +32,7 @@ import torch
 __all__ = [
     "DTYPE_BITS",
     "MAX_HEADER_BYTES",
+    "MAX_TENSORS",
     "TORCH_DTYPES",
     "CheckpointError",
     "Header",
@@ -44,6 +45,8 @@ __all__ = [
 
 #: Largest header accepted (the safetensors library's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: Most tensors in one shard header (real shards hold a few thousand; each entry costs parsing time and memory).
+MAX_TENSORS = 250_000
 #: Most dimensions of a tensor, and the largest dimension (torch sizes are int64; torch allows 64 dimensions).
 MAX_DIMS = 64
 MAX_DIM = 2**63 - 1
@@ -181,6 +184,8 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             raw = f.read(n)
     except OSError as err:
         raise CheckpointError(f"cannot read: {err.strerror or err}", file=path) from err
+    if raw.count(b"data_offsets") > MAX_TENSORS:  # counted in C before any parsing: bounded work and memory
+        raise CheckpointError(f"header lists more than {MAX_TENSORS} tensors", file=path)
     entries, metadata = _parse_header_json(raw, path)
     data_start = 8 + n
     tensors = [_parse_entry(name, entry, path, data_start) for name, entry in entries.items()]

@@ -38,7 +38,7 @@ import os
 import re
 import stat as stat_mod
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -335,23 +335,33 @@ class StatCache:
 
 
 def source_identity(
-    src: Path | str, *, stat_cache: StatCache | None = None, roots: Sequence[str] | None = None
+    src: Path | str,
+    *,
+    stat_cache: StatCache | None = None,
+    roots: Sequence[str] | None = None,
+    before_hashing: Callable[[int], None] | None = None,
 ) -> SourceIdentity:
     """Identify the content of the checkpoint directory ``src`` (see the module docstring).
 
     ``roots``: every file must resolve inside one of these real paths (see :mod:`.securefs`).
     """
     with open_source(src, roots) as tree:
-        return identity_of_tree(tree, stat_cache=stat_cache)
+        return identity_of_tree(tree, stat_cache=stat_cache, before_hashing=before_hashing)
 
 
-def identity_of_tree(tree: SourceTree, *, stat_cache: StatCache | None = None) -> SourceIdentity:
+def identity_of_tree(
+    tree: SourceTree,
+    *,
+    stat_cache: StatCache | None = None,
+    before_hashing: Callable[[int], None] | None = None,
+) -> SourceIdentity:
     """The identity of the files of an opened :class:`SourceTree`, hashing what the stat cache does not know.
 
     Every byte hashed is read through the tree's checked descriptors. A digest that a hub blob name or a
     download record claims is used as the file's id only once the file's bytes were hashed and matched it
     (remembered in the stat cache under the file's full stat signature); otherwise the id is the BLAKE3 of
-    the bytes. Modification times never stand in for content.
+    the bytes. Modification times never stand in for content. ``before_hashing(total bytes of the source)`` is
+    called once before the first byte is hashed (a size check that may raise: no work before limits).
     """
     src_real = tree.real
     if not tree.files:
@@ -369,6 +379,9 @@ def identity_of_tree(tree: SourceTree, *, stat_cache: StatCache | None = None) -
             digest = str(old[5])
             updated[rel] = old
         else:
+            if before_hashing is not None:
+                before_hashing(sum(x.st.st_size for x in tree.files))
+                before_hashing = None
             claim = hub_content_id(os.path.join(src_real, rel), src_real, f.real)
             if claim is None:
                 claim = _parse_download_record(tree.read_meta(rel))

@@ -499,7 +499,31 @@ class Cache:
 
     def identity(self, src: str | os.PathLike[str]) -> SourceIdentity:
         """The content identity of ``src`` (hashes only files the stat cache does not know)."""
-        return source_identity(Path(src), stat_cache=self.stat_cache, roots=self.allowed_roots)
+        return source_identity(
+            Path(src), stat_cache=self.stat_cache, roots=self.allowed_roots, before_hashing=self.check_fits
+        )
+
+    def check_fits(self, source_bytes: int) -> None:
+        """Raise :class:`CacheFullError` when a conversion of ``source_bytes`` can never fit (budget, or the file
+        system's free space plus what the cache holds); checked from sizes alone, before anything is hashed."""
+        needed = source_bytes + ENTRY_OVERHEAD_BYTES
+        budget = self.budget_bytes
+        if needed > budget:
+            raise CacheFullError(
+                f"cache {self.root} cannot hold the conversion: it needs about {human_bytes(needed)} ({needed} bytes) "
+                f"but the budget is only {human_bytes(budget)}. Nothing was evicted or hashed. Raise the budget "
+                "(--cache-budget) or use another --cache-dir",
+                root=self.root, needed_bytes=needed, budget_bytes=budget, used_bytes=-1,
+            )
+        used = self._used_bytes()
+        room = free_bytes(self.root) + used
+        if needed > room:
+            raise CacheFullError(
+                f"the conversion needs about {human_bytes(needed)} ({needed} bytes); the cache's file system has "
+                f"{human_bytes(room)} even with every entry evicted. Nothing was evicted or hashed. Free space on it "
+                "or use another --cache-dir",
+                root=self.root, needed_bytes=needed, budget_bytes=budget, used_bytes=used, free_bytes=room - used,
+            )
 
     def open_source(self, src: str | os.PathLike[str]) -> SourceTree:
         """Every file of ``src`` opened and checked against :attr:`allowed_roots` (see :mod:`.securefs`)."""
@@ -585,7 +609,7 @@ class Cache:
         poll_interval: float,
     ) -> Entry:
         t0 = time.monotonic()
-        ident = identity_of_tree(tree, stat_cache=self.stat_cache)
+        ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=self.check_fits)
         key = cache_key(ident, recipe)
         identify_s = time.monotonic() - t0
         deadline = None if timeout is None else time.monotonic() + timeout
