@@ -206,11 +206,24 @@ async def run_server(
     return server.started
 
 
+def _raise_open_files_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit: a conversion holds every source file open (cache.securefs)."""
+    import resource
+
+    with contextlib.suppress(OSError, ValueError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def serve(settings: Settings, *, converter: Any = None, stream: Any = None) -> int:
     """Run the daemon in this process until SIGINT/SIGTERM; returns the exit status."""
     from .app import create_app
 
     stream = stream or sys.stderr
+    _raise_open_files_limit()
     app = create_app(settings, converter=converter)
     listeners = open_listeners(settings)
     server = build_server(app, settings)
