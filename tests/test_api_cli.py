@@ -49,6 +49,7 @@ def test_serve_process_on_socket_and_tcp_with_env_settings(tmp_path: Path) -> No
     src = write_source(models / "m", seed=5)
     token = tmp_path / "token"
     token.write_text(TOKEN)
+    os.chmod(token, 0o600)  # the daemon refuses a token file others can read
     sock = run / "d" / "transformd.sock"
     env = dict(os.environ)
     env.update(

@@ -97,6 +97,7 @@ def world(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
+    os.chmod(token_file, 0o600)  # the daemon refuses a token file others can read
     canaries = [outside, *sorted(p for p in outside.rglob("*"))]
     for p in reversed(canaries):  # children first: setting a file's times does not touch its directory's atime
         os.utime(p, (OLD_ATIME, OLD_MTIME), follow_symlinks=False)

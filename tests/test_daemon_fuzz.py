@@ -59,6 +59,7 @@ def _daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     (broken / "config.json").write_text("{not json")
     token = root / "token"
     token.write_text(TOKEN)
+    os.chmod(token, 0o600)  # the daemon refuses a token file others can read
     run = short_tempdir("tdf-")
     d = DaemonThread(
         Settings(

@@ -30,7 +30,7 @@ or Quark ``per_block`` Rx32 blocks ``[..., ceil(N/R), K/32]``; weights 2-D
 byte. Any ``F8_E4M3`` or E8M0 tensor that is not part of a valid pair is refused:
 an ``fp8`` output must hold nothing MX and no FP8 weight without its block scale.
 
-``select`` (a regular expression, ``re.search`` on the weight name) must match
+``select`` (a regular expression, RE2's ``search`` on the weight name) must match
 every MXFP8 weight; one it would leave out is refused for the same reason.
 
 Before anything is written, :func:`plan_readiness` computes from shapes and
@@ -361,13 +361,16 @@ def check_engine(report: dict[str, EngineReadiness], engine: Engine | str | None
         raise CheckpointError(f"{r.engine} could not load the converted checkpoint at any TP size: {problems}", file=src)
 
 
-def _compile_select(select: str | None) -> re.Pattern[str] | None:
+def _compile_select(select: str | None) -> Any:
+    """``select`` compiled for linear-time matching (:mod:`transformd.selectre`), or None."""
     if select is None:
         return None
+    from .selectre import SelectError, compile_select
+
     try:
-        return re.compile(select)
-    except re.error as err:
-        raise CheckpointError(f"--select {select!r} is not a valid regular expression: {err}") from None
+        return compile_select(select)
+    except SelectError as err:
+        raise CheckpointError(f"--select {select[:200]!r} is refused: {err}") from None
 
 
 def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
@@ -378,7 +381,12 @@ def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     if not path.is_file():  # a FIFO would block the read forever; a directory or device is no JSON file either
         raise CheckpointError("is not a regular file", file=path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        # O_NONBLOCK, then fstat: a file swapped for a FIFO after the check above is refused, never waited on
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError("is not a regular file", file=path)
+            data = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError, RecursionError) as err:  # ValueError: bad UTF-8/JSON, integers past the digit limit
         raise CheckpointError(f"cannot be read as JSON: {str(err)[:200]}", file=path) from None
     if not isinstance(data, dict):
@@ -401,6 +409,9 @@ def _shard_layout(src: Path) -> tuple[dict[str, Any] | None, list[str]]:
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
             problem = f"maps to {shard!r}, which is not a file name in the directory"
+            raise CheckpointError(problem, file=src / INDEX_NAME, tensor=name)
+        if shard.startswith("."):  # hidden names are never read (nor identified, nor carried over)
+            problem = f"maps to {shard!r}, a hidden name; shards must not start with '.'"
             raise CheckpointError(problem, file=src / INDEX_NAME, tensor=name)
         if not (src / shard).is_file():
             raise CheckpointError(f"maps to {shard}, which does not exist", file=src / INDEX_NAME, tensor=name)

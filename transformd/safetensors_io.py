@@ -32,6 +32,7 @@ import torch
 __all__ = [
     "DTYPE_BITS",
     "MAX_HEADER_BYTES",
+    "MAX_TENSORS",
     "TORCH_DTYPES",
     "CheckpointError",
     "Header",
@@ -44,6 +45,8 @@ __all__ = [
 
 #: Largest header accepted (the safetensors library's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: Most tensors in one shard header (real shards hold a few thousand; each entry costs parsing time and memory).
+MAX_TENSORS = 250_000
 #: Most dimensions of a tensor, and the largest dimension (torch sizes are int64; torch allows 64 dimensions).
 MAX_DIMS = 64
 MAX_DIM = 2**63 - 1
@@ -174,12 +177,15 @@ def read_header(path: str | os.PathLike[str]) -> Header:
                 raise CheckpointError(f"file is {size} bytes, shorter than the 8-byte header length", file=path)
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"header length {n} is above the limit of {MAX_HEADER_BYTES} bytes", file=path)
+                # the length itself is not quoted: it is the file's first 8 bytes, whatever the file is
+                raise CheckpointError(f"header length is above the limit of {MAX_HEADER_BYTES} bytes", file=path)
             if 8 + n > size:
                 raise CheckpointError(f"header length {n} runs past the end of the {size}-byte file", file=path)
             raw = f.read(n)
     except OSError as err:
         raise CheckpointError(f"cannot read: {err.strerror or err}", file=path) from err
+    if raw.count(b"data_offsets") > MAX_TENSORS:  # counted in C before any parsing: bounded work and memory
+        raise CheckpointError(f"header lists more than {MAX_TENSORS} tensors", file=path)
     entries, metadata = _parse_header_json(raw, path)
     data_start = 8 + n
     tensors = [_parse_entry(name, entry, path, data_start) for name, entry in entries.items()]

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
+import anyio
 import anyio.to_thread
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi import Path as FastApiPath
 from fastapi.responses import JSONResponse, Response
 
@@ -33,6 +34,7 @@ from .files import EntryIndex
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
+from .peers import SCOPE_KEY, Caller, denied
 from .schemas import (
     CacheModel,
     CheckpointInfo,
@@ -90,6 +92,58 @@ class Daemon:
                 self.readiness.clear()
             self.readiness[key] = found
         return found
+    #: uids that passed the read check for a key (a POST of a source they could read): key -> uids
+    readers: dict[str, set[int]] = dataclasses.field(default_factory=dict)
+    #: the uid whose request started the conversion of a key (it may delete the entry): key -> uid
+    creators: dict[str, int] = dataclasses.field(default_factory=dict)
+    _health_limiter: anyio.CapacityLimiter | None = None
+
+    def caller(self, request: Request) -> Caller:
+        """The request's caller: the unix peer's credentials, or the configured identity of TCP token holders."""
+        caller = request.scope.get(SCOPE_KEY)
+        if isinstance(caller, Caller):
+            return caller
+        if request.scope.get("server") and request.scope["server"][1] is not None:  # TCP (the token was checked)
+            return self.settings.tcp_caller()
+        return Caller(-1, frozenset(), None, "unix (credentials unknown)")
+
+    def health_limiter(self) -> anyio.CapacityLimiter:
+        """Threads of /healthz only: its answer never waits behind other work."""
+        if self._health_limiter is None:
+            self._health_limiter = anyio.CapacityLimiter(4)
+        return self._health_limiter
+
+    def is_admin(self, caller: Caller) -> bool:
+        return caller.uid in self.settings.admins()
+
+    def grant(self, key: str, caller: Caller) -> None:
+        uids = self.readers.setdefault(key, set())
+        if len(uids) < 4096:
+            uids.add(caller.uid)
+
+    def may_see(self, key: str, caller: Caller) -> bool | None:
+        """True when ``caller`` may be served ``key`` without another check; None: check the source (blocking)."""
+        if caller.uid == 0 or self.is_admin(caller) or caller.uid in self.readers.get(key, ()):
+            return True
+        return None
+
+    def check_source_of(self, key: str, caller: Caller) -> bool:
+        """Blocking: whether ``caller`` could read the source this entry (or job) was made from."""
+        job = self.service.job(key)
+        source: str | None = str(job.source) if job is not None else None
+        if source is None:
+            info = self.entries.info(key)
+            source = info.source if info is not None else None
+        if not source:
+            return False
+        try:
+            with self.cache.open_source(source) as tree:
+                ok = denied(caller, tree.facts()) is None
+        except Exception:  # noqa: BLE001 - a source that cannot be opened proves nothing: refuse
+            return False
+        if ok:
+            self.grant(key, caller)
+        return ok
 
     def refresh_gauges(self) -> None:
         """Blocking: scan the entries for the size gauges."""
@@ -175,6 +229,7 @@ def create_app(
         cache = Cache(
             settings.cache_dir, budget_bytes=settings.cache_budget, converter=converter, device=settings.device
         )
+    cache.allowed_roots = policy.roots  # every source file is checked on its open descriptor (cache.securefs)
     if os.environ.get("TRANSFORMD_TEST_HOOKS"):  # test-only (see .testing); off unless the variable is set
         from .testing import apply_test_hooks
 
@@ -256,14 +311,41 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _plan_readiness(source: Path, select: str | None, target: str) -> dict[str, Any]:
-    """Blocking: readiness of the output a conversion of ``source`` would write (headers only)."""
+def _plan_readiness(d: Daemon, source: str, select: str | None, target: str) -> dict[str, Any]:
+    """Blocking: readiness of the output a conversion of ``source`` would write (headers only, read through the
+    checked descriptors of the source, like every other read of it)."""
     from ..checkpoint import plan_conversion, plan_readiness
 
     try:
-        return {name: r.as_dict() for name, r in plan_readiness(plan_conversion(source, select=select), target).items()}
+        with d.cache.open_source(source) as tree:
+            plan = plan_conversion(tree.view(), select=select)
+        return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
+    except ApiError:
+        raise
     except Exception as e:
         raise error_for_exception(e) from e
+
+
+def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
+    """Blocking: the real path of ``source`` when it lies under the allowed roots and ``caller`` could read every
+    file of it (as for a conversion; nothing is hashed)."""
+    try:
+        d.policy.check_allowed(source)
+        with d.cache.open_source(source) as tree:
+            missing = denied(caller, tree.facts())
+            real = tree.real
+    except ApiError:
+        raise
+    except Exception as e:
+        raise error_for_exception(e) from e
+    if missing is not None:
+        raise ApiError(
+            403,
+            "permission_denied",
+            f"{caller.describe()} may not read source {source} ({missing} is missing); the daemon serves a source "
+            "only to callers who could read every file of it themselves",
+        )
+    return real
 
 
 def _check_engine(report: dict[str, Any] | None, engine: str | None) -> None:
@@ -281,6 +363,20 @@ def _check_engine(report: dict[str, Any] | None, engine: str | None) -> None:
 def _routes(app: FastAPI, d: Daemon) -> None:
     cache, service, entries, metrics = d.cache, d.service, d.entries, d.metrics
 
+    async def authorize(request: Request, key: str) -> Caller:
+        """The caller, if it may be served ``key``: it could read the key's source itself (or is an admin)."""
+        caller = d.caller(request)
+        if d.may_see(key, caller) or await anyio.to_thread.run_sync(
+            d.check_source_of, key, caller, limiter=service.source_limiter()
+        ):
+            return caller
+        raise ApiError(
+            403,
+            "permission_denied",
+            f"{caller.describe()} may not use checkpoint {key}: it is served only to callers who can read its "
+            "source (POST /v1/checkpoints with a source you can read)",
+        )
+
     @app.post(
         "/v1/checkpoints",
         response_model=CheckpointInfo,
@@ -292,15 +388,25 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         },
         tags=["checkpoints"],
     )
-    async def post_checkpoint(body: CheckpointRequest) -> Response:
-        target, why = choose_target(body.target, body.engine, d.platform)
+    async def post_checkpoint(body: CheckpointRequest, request: Request) -> Response:
+        target, reason = choose_target(body.target, body.engine, d.platform)
         source = d.policy.check_syntax(body.source)
+        caller = d.caller(request)
         if target is None:  # native MX: the engine loads the source itself
-            real = await _thread(d.policy.resolve, source)
-            return _json(passthrough_view(str(real), why))
+            real = await _thread(_readable_source, d, source, caller)
+            return _json(passthrough_view(real, reason))
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
         ident = await service.identify(source)
+        why = denied(caller, ident.access) if ident.access is not None else None
+        if why is not None:
+            raise ApiError(
+                403,
+                "permission_denied",
+                f"{caller.describe()} may not read source {source} ({why} is missing); the daemon converts and "
+                "serves a source only for callers who could read every file of it themselves",
+            )
         key = cache_key(ident, recipe)
+        d.grant(key, caller)
         job = service.job(key)
         if job is None or not job.active:
             invalid = service.known_invalid(key, ident.path)
@@ -310,22 +416,33 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             info = await _thread(entries.info, key, touch=True)
             if info is not None:
                 metrics.cache_hits.inc()
-                return await _ready(info, job, why, body.engine)
+                return await _ready(info, job, reason, body.engine)
         metrics.cache_misses.inc()
         if body.engine is not None and (job is None or not job.active):
-            report = await _thread(_plan_readiness, ident.path, body.select, target)
+            report = await _thread(_plan_readiness, d, source, body.select, target)
             _check_engine(report, body.engine)
-        job = await service.ensure_job(key, ident.path, recipe)
+        if not d.is_admin(caller) and service.queued_by(caller.uid) >= d.settings.max_queued_per_caller:
+            job = service.job(key)
+            if job is None or not job.active:
+                raise ApiError(
+                    429,
+                    "caller_queue_full",
+                    f"{caller.describe()} already has {d.settings.max_queued_per_caller} conversions queued or "
+                    "running; wait for them",
+                    headers={"Retry-After": "5"},
+                )
+        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid)
+        d.creators.setdefault(key, job.uid if job.uid is not None else caller.uid)
         if job.state == "ready":
             info = await _thread(entries.info, key)
             if info is not None:
-                return await _ready(info, job, why, body.engine)
-        return _accepted({**job_view(job), "target_reason": why})
+                return await _ready(info, job, reason, body.engine)
+        return _accepted({**job_view(job), "target_reason": reason})
 
-    async def _ready(info: Any, job: Any, why: str | None, engine: str | None) -> Response:
+    async def _ready(info: Any, job: Any, reason: str | None, engine: str | None) -> Response:
         report = await _thread(d.entry_readiness, info.key, info.path)
         _check_engine(report, engine)
-        return _json({**entry_view(info, job), "target_reason": why, "readiness": report})
+        return _json({**entry_view(info, job), "target_reason": reason, "readiness": report})
 
     @app.get(
         "/v1/checkpoints/{key}",
@@ -334,8 +451,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404),
         tags=["checkpoints"],
     )
-    async def get_checkpoint(key: KeyParam) -> Response:
+    async def get_checkpoint(key: KeyParam, request: Request) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
             return _json(job_view(job))
@@ -361,9 +479,17 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404, 409),
         tags=["checkpoints"],
     )
-    async def delete_checkpoint(key: KeyParam) -> Response:
+    async def delete_checkpoint(key: KeyParam, request: Request) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         job = service.job(key)
+        if not d.is_admin(caller) and d.creators.get(key) != caller.uid:
+            raise ApiError(
+                403,
+                "not_owner",
+                f"{caller.describe()} did not create checkpoint {key}: only the caller whose request converted it "
+                "(or an admin) may delete it",
+            )
         if job is not None and job.active:
             raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is being converted; delete it when ready")
         try:
@@ -386,8 +512,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404, 409),
         tags=["files"],
     )
-    async def get_files(key: KeyParam) -> Response:
+    async def get_files(key: KeyParam, request: Request) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
             return _json(await _thread(job_files, entries, job))
@@ -404,9 +531,10 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses={202: {"model": FileModel, "description": "not written yet; requested"}, **_errors(400, 404, 409)},
         tags=["files"],
     )
-    async def get_file(key: KeyParam, name: NameParam) -> Response:
+    async def get_file(key: KeyParam, name: NameParam, request: Request) -> Response:
         check_key(key)
         check_file_name(name)
+        await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
             obj = await _thread(job_file, entries, job, name)
@@ -458,8 +586,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404, 409, 413),
         tags=["leases"],
     )
-    async def post_lease(key: KeyParam, body: LeaseRequest | None = None) -> Response:
+    async def post_lease(key: KeyParam, request: Request, body: LeaseRequest | None = None) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         body = body or LeaseRequest(ttl_s=d.settings.default_lease_ttl_s)
         if body.ttl_s > d.settings.max_lease_ttl_s:
             raise ApiError(
@@ -470,9 +599,19 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         job = service.job(key)
         if job is not None and job.active:
             raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is still converting; lease it once ready")
+        if not d.is_admin(caller):
+            held = await _thread(_live_leases_of, cache, caller.uid)
+            if held >= d.settings.max_leases_per_caller:
+                raise ApiError(
+                    429,
+                    "too_many_leases",
+                    f"{caller.describe()} already holds {held} live leases (at most "
+                    f"{d.settings.max_leases_per_caller} per caller); release some (DELETE .../leases/ID) first",
+                    headers={"Retry-After": "60"},
+                )
         try:
             lease = await anyio.to_thread.run_sync(
-                lambda: cache.acquire_lease(key, body.ttl_s, holder=body.holder, pid=None)
+                lambda: cache.acquire_lease(key, body.ttl_s, holder=body.holder, pid=None, uid=caller.uid)
             )
         except EntryNotFoundError:
             raise _unknown_key(key) from None
@@ -487,21 +626,26 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404),
         tags=["leases"],
     )
-    async def delete_lease(key: KeyParam, lease_id: LeaseIdParam) -> Response:
+    async def delete_lease(key: KeyParam, lease_id: LeaseIdParam, request: Request) -> Response:
         check_key(key)
+        caller = await authorize(request, key)
         if not LEASE_ID_RE.fullmatch(lease_id):
             raise ApiError(404, "unknown_lease", f"no lease {lease_id[:40]!r} (lease ids are 16 lowercase hex digits)")
-        released = await _thread(cache.release_lease, lease_id, key)
-        if not released:
+        lease = await _thread(cache.get_lease, key, lease_id)
+        mine = lease is not None and (lease.uid == caller.uid or d.is_admin(caller))
+        released = mine and await _thread(cache.release_lease, lease_id, key)
+        if not released:  # another caller's lease reads exactly like one that does not exist
             raise ApiError(404, "unknown_lease", f"no lease {lease_id} on checkpoint {key} (released or expired)")
         return Response(status_code=204)
 
     @app.get("/v1/cache", response_model=CacheModel, summary="Usage, budget and entries of the cache", tags=["cache"])
-    async def get_cache() -> Response:
-        body = await _thread(_cache_view, d)
+    async def get_cache(request: Request) -> Response:
+        caller = d.caller(request)
+        body = await _thread(_cache_view, d, caller)
         body["conversions"] = [
             {"key": j.key, "state": j.state, "source": str(j.source), "progress": j.progress.as_dict()}
             for j in service.active_jobs()
+            if d.is_admin(caller) or d.may_see(j.key, caller)
         ]
         return _json(body)
 
@@ -509,7 +653,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     async def healthz() -> Response:
         from .. import __version__
 
-        problems = await anyio.to_thread.run_sync(_health_problems, cache)
+        problems = await anyio.to_thread.run_sync(_health_problems, cache, limiter=d.health_limiter())
         if service.closing:
             problems.append("shutting down")
         body = {
@@ -530,17 +674,27 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _cache_view(d: Daemon) -> dict[str, Any]:
+def _live_leases_of(cache: Cache, uid: int) -> int:
+    now = time.time()
+    return sum(1 for lease in cache.leases() if lease.uid == uid and lease.is_live(now))
+
+
+def _cache_view(d: Daemon, caller: Caller | None = None) -> dict[str, Any]:
+    """The cache as ``caller`` may see it: an admin everything; others the entries they may be served, with
+    their own leases only (lease ids are capabilities to release)."""
+    admin = caller is None or d.is_admin(caller)
     usage = d.cache.usage()
     now = time.time()
     leases: dict[str, list[dict[str, Any]]] = {}
     for lease in d.cache.leases():
-        if lease.is_live(now):
+        if lease.is_live(now) and (admin or lease.uid == caller.uid):
             leases.setdefault(lease.key, []).append(
                 {"id": lease.id, "key": lease.key, "expires_at": lease.expires_at, "holder": lease.holder}
             )
     out = []
     for e in d.cache.entries():
+        if not admin and not d.may_see(e.key, caller):
+            continue
         info = d.entries.info(e.key)
         out.append(
             {

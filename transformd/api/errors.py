@@ -37,6 +37,7 @@ from ..cache import (
     InvalidKeyError,
     SourceError,
 )
+from ..cache.securefs import OutsideRootsError, SourceNotDirectoryError, SourceNotFoundError, SourcePermissionError
 
 log = logging.getLogger("transformd.api")
 
@@ -80,6 +81,14 @@ def error_for_exception(exc: BaseException) -> ApiError:
         if exc.error_type in INVALID_INPUT_TYPES:
             return ApiError(422, "invalid_checkpoint", f"invalid checkpoint: {exc.message}")
         return ApiError(500, "conversion_failed", str(exc))
+    if isinstance(exc, OutsideRootsError):
+        return ApiError(403, "source_not_allowed", str(exc))
+    if isinstance(exc, SourcePermissionError):
+        return ApiError(403, "permission_denied", str(exc))
+    if isinstance(exc, SourceNotFoundError):
+        return ApiError(404, "source_not_found", str(exc))
+    if isinstance(exc, SourceNotDirectoryError):
+        return ApiError(400, "bad_source", f"{exc}; give the checkpoint directory")
     if isinstance(exc, SourceError):
         if "changed while" in str(exc):
             return ApiError(409, "source_changed", f"{exc}; POST the checkpoint again once it is complete")

@@ -26,7 +26,9 @@ from __future__ import annotations
 import collections
 import json
 import os
+import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,19 @@ def file_object(
     }
 
 
+def _size_problems(path: Path, files: tuple[FileRecord, ...]) -> list[str]:
+    problems = []
+    for rec in files:
+        try:
+            size = os.stat(path / rec.name).st_size
+        except OSError as e:
+            problems.append(f"{rec.name}: {e.strerror}")
+            continue
+        if size != rec.size:
+            problems.append(f"{rec.name}: size {size} bytes, manifest says {rec.size}")
+    return problems
+
+
 class EntryIndex:
     """Published entries of one cache: their info, file objects and serialised ``/files`` bodies."""
 
@@ -102,6 +117,11 @@ class EntryIndex:
         self._lock = threading.Lock()
         self._infos: collections.OrderedDict[str, EntryInfo] = collections.OrderedDict()
         self._bodies: dict[tuple[str, tuple[int, int], str], bytes] = {}
+        #: entries whose digests were (or are being) verified since this daemon started
+        self._verified: set[str] = set()
+        self._verify_queue: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._verifier: threading.Thread | None = None
+        self._started = time.time()
 
     def final_dir(self, key: str) -> Path:
         return self.cache.entries_dir / key / "checkpoint"
@@ -125,6 +145,14 @@ class EntryIndex:
             manifest = Manifest.read(entry.root / MANIFEST_NAME)
         except (OSError, ValueError, KeyError, TypeError):
             return None  # vanished or unreadable (verify quarantines corrupt entries)
+        # The first time this process serves the entry: sizes now (cheap), digests in the background. A damaged
+        # entry is quarantined, so the next request for its source converts it again.
+        problems = _size_problems(entry.path, manifest.files)
+        if problems:
+            self.quarantine(key, problems)
+            return None
+        if manifest.created_at < self._started:  # this process sealed (hashed) the ones it published itself
+            self._schedule_verify(key)
         info = EntryInfo(
             key=key,
             root=entry.root,
@@ -144,6 +172,39 @@ class EntryIndex:
                 old, _ = self._infos.popitem(last=False)
                 self._drop_bodies(old)
         return info
+
+    def quarantine(self, key: str, problems: list[str]) -> None:
+        """Move a damaged entry to quarantine/ (blocking); the next request for its source converts it again."""
+        import logging
+
+        logging.getLogger("transformd.api").warning("cache entry %s is damaged, quarantined: %s", key, problems[:3])
+        try:
+            self.cache._quarantine(key, problems)
+        except Exception:  # noqa: BLE001 - a failed move leaves it for `transformd cache verify`
+            logging.getLogger("transformd.api").exception("cannot quarantine %s", key)
+        self.forget(key)
+
+    def _schedule_verify(self, key: str) -> None:
+        with self._lock:
+            if key in self._verified:
+                return
+            self._verified.add(key)
+            if self._verifier is None:
+                self._verifier = threading.Thread(target=self._verify_loop, name="transformd-verify", daemon=True)
+                self._verifier.start()
+        self._verify_queue.put(key)
+
+    def _verify_loop(self) -> None:
+        while True:
+            key = self._verify_queue.get()
+            try:
+                results = self.cache.verify(key, quarantine=True)
+            except Exception:  # noqa: BLE001 - a verify that cannot run is retried on the next first serve
+                with self._lock:
+                    self._verified.discard(key)
+                continue
+            if any(not r.ok for r in results):
+                self.forget(key)
 
     def forget(self, key: str) -> None:
         with self._lock:
@@ -165,11 +226,12 @@ class EntryIndex:
                 digest=rec.digest,
             )
         except CheckpointError as e:
+            self.quarantine(info.key, [str(e)])
             raise ApiError(
                 500,
                 "entry_corrupt",
-                f"cache entry {info.key} is damaged ({e}); run `transformd cache verify {info.key}` (it quarantines "
-                "damaged entries), then resolve the checkpoint again",
+                f"cache entry {info.key} was damaged ({e}) and is quarantined; resolve the checkpoint again "
+                "(POST /v1/checkpoints) to convert it anew",
             ) from None
 
     def body(self, info: EntryInfo, name: str | None = None) -> bytes | None:

@@ -116,33 +116,32 @@ class BodyLimit:
                 if declared > self.limit:
                     await _send_error(send, 413, "body_too_large", message)
                     return
+        # Read the whole body here (bodies are small JSON objects): a streamed (chunked) body past the limit is a
+        # 413 before the app sees anything; the app's own body parser would turn any error into a 400.
+        chunks: list[bytes] = []
         received = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                received += len(msg.get("body", b""))
-                if received > self.limit:
-                    raise _TooLarge
-            return msg
+            if msg["type"] != "http.request":  # the client went away
+                return
+            chunk = msg.get("body", b"")
+            received += len(chunk)
+            if received > self.limit:
+                await _send_error(send, 413, "body_too_large", message, [(b"connection", b"close")])
+                return
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
 
-        async def tracking_send(msg: Message) -> None:
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await _send_error(send, 413, "body_too_large", message)
-
-
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, replay, send)
 
 
 class RequestCounter:

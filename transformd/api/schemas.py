@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..selectre import SelectError, compile_select
+
 State = Literal["queued", "converting", "ready", "failed"]
 
 #: Longest ``holder`` of a lease.
@@ -46,8 +48,8 @@ class CheckpointRequest(BaseModel):
     select: str | None = Field(
         None,
         max_length=MAX_SELECT_CHARS,
-        description="convert only MXFP8 weights whose name matches (re.search); nested repetition such as (a+)+ "
-        "is refused (400)",
+        description="convert only MXFP8 weights whose name matches (RE2 search, linear time; lookaround only with "
+        "one unbounded repetition; backreferences and nested repetition such as (a+)+ are refused, 400)",
         json_schema_extra={"format": "regex"},
     )
 
@@ -57,10 +59,10 @@ class CheckpointRequest(BaseModel):
         if value is None:
             return None
         try:
-            re.compile(value)
-        except re.error as e:
-            raise ValueError(f"not a valid regular expression: {e}") from None
-        if _NESTED_REPEAT.search(value):
+            compile_select(value)  # RE2, or a bounded fallback for lookaround (transformd.selectre)
+        except SelectError as e:
+            raise ValueError(str(e)) from None
+        if _NESTED_REPEAT.search(value):  # harmless under RE2; still refused, as documented before
             raise ValueError("nested repetition such as (a+)+ is refused (it can take exponential time)")
         return value
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import uvicorn
 
+from .peers import peer_protocol
 from .settings import Settings, SettingsError
 
 log = logging.getLogger("transformd.api")
@@ -37,6 +38,8 @@ SOCKET_DIR_MODE = 0o750
 BACKLOG = 1024
 #: Connections and in-flight requests uvicorn serves at once; more get 503.
 MAX_CONCURRENCY = 2048
+#: Seconds an idle keep-alive connection stays open.
+KEEP_ALIVE_S = 5
 
 
 def bind_unix_socket(path: Path) -> socket.socket:
@@ -162,15 +165,28 @@ def open_listeners(settings: Settings) -> Listeners:
     return out
 
 
+def _http_protocol(settings: Settings) -> type:
+    """uvicorn's HTTP protocol (httptools when installed, as uvicorn's "auto") with the unix peer's credentials,
+    connection limits per listener kind and a deadline for request headers (see :func:`.peers.peer_protocol`)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    limits = {"unix": settings.max_unix_connections, "tcp": settings.max_tcp_connections}
+    return peer_protocol(base, max_connections=limits, header_timeout_s=settings.header_timeout_s)
+
+
 def build_server(app: Any, settings: Settings) -> uvicorn.Server:
     config = uvicorn.Config(
         app,
+        http=_http_protocol(settings),
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
         lifespan="on",
         proxy_headers=False,
         server_header=False,
-        limit_concurrency=MAX_CONCURRENCY,
+        limit_concurrency=None,  # per listener instead (peers.peer_protocol): a TCP flood never blocks the socket
+        timeout_keep_alive=KEEP_ALIVE_S,
         backlog=BACKLOG,
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
     )
@@ -190,11 +206,24 @@ async def run_server(
     return server.started
 
 
+def _raise_open_files_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit: a conversion holds every source file open (cache.securefs)."""
+    import resource
+
+    with contextlib.suppress(OSError, ValueError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def serve(settings: Settings, *, converter: Any = None, stream: Any = None) -> int:
     """Run the daemon in this process until SIGINT/SIGTERM; returns the exit status."""
     from .app import create_app
 
     stream = stream or sys.stderr
+    _raise_open_files_limit()
     app = create_app(settings, converter=converter)
     listeners = open_listeners(settings)
     server = build_server(app, settings)

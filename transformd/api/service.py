@@ -45,6 +45,8 @@ FINISHED_TTL_S = 3600.0
 MAX_FINISHED_JOBS = 1024
 #: Window of the transfer rate estimate (seconds).
 RATE_WINDOW_S = 10.0
+#: Threads for work on sources (identify, plan, permission checks of an entry's source).
+SOURCE_THREADS = 16
 #: How often a waiting worker polls another process' conversion (seconds).
 POLL_INTERVAL_S = 0.2
 
@@ -113,6 +115,8 @@ class Job:
         self.key = key
         self.source = source
         self.recipe = recipe
+        #: uid of the caller whose request created the job (None: unknown)
+        self.uid: int | None = None
         self.priority = ShardPriority()
         self.outline: ConversionOutline | None = None
         self.state = "queued"
@@ -223,6 +227,14 @@ class ConversionService:
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._closing = False
+        #: worker threads for work on sources (listing, hashing, planning): they may block on a slow or hostile
+        #: source, so they get their own pool; health, status and cached lookups never wait for it
+        self._source_limiter: anyio.CapacityLimiter | None = None
+
+    def source_limiter(self) -> anyio.CapacityLimiter:
+        if self._source_limiter is None:
+            self._source_limiter = anyio.CapacityLimiter(SOURCE_THREADS)
+        return self._source_limiter
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -293,7 +305,9 @@ class ConversionService:
         """
         fut = self._identifying.get(source)
         if fut is None:
-            fut = asyncio.ensure_future(anyio.to_thread.run_sync(self._identify_blocking, source))
+            fut = asyncio.ensure_future(
+                anyio.to_thread.run_sync(self._identify_blocking, source, limiter=self.source_limiter())
+            )
             self._identifying[source] = fut
 
             def forget(f: asyncio.Future[SourceIdentity]) -> None:
@@ -310,12 +324,25 @@ class ConversionService:
             raise error_for_exception(exc) from exc
 
     def _identify_blocking(self, source: str) -> SourceIdentity:
-        real = self.policy.resolve(source)
-        return self.cache.identity(real)
+        self.policy.check_allowed(source)
+        return self.cache.identity(source)
+
+    def _plan_blocking(self, job: Job) -> ConversionOutline | None:
+        """The converter's check of the job's source, reading only the checked descriptors (a view)."""
+        with self.cache.open_source(job.source) as tree:
+            view = tree.view()
+            try:
+                return plan_of(self.converter, view, job.recipe)
+            except BaseException as exc:
+                raise tree.relocate(exc, view)  # noqa: B904 - the same exception, naming the source
 
     # ------------------------------------------------------------------ jobs
 
-    async def ensure_job(self, key: str, source: Path, recipe: Recipe) -> Job:
+    def queued_by(self, uid: int) -> int:
+        """Active (queued or converting) jobs started by ``uid``."""
+        return sum(1 for j in self._jobs.values() if j.active and j.uid == uid)
+
+    async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None) -> Job:
         """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
 
         Raises :class:`ApiError`: 422 invalid checkpoint (for every request waiting on the check), 503 queue
@@ -337,6 +364,7 @@ class ConversionService:
                 )
             self._prune()
             job = Job(key, source, recipe)
+            job.uid = uid
             self._jobs[key] = job
             job.validation = asyncio.ensure_future(self._validate(job))
         assert job.validation is not None
@@ -345,7 +373,7 @@ class ConversionService:
 
     async def _validate(self, job: Job) -> None:
         try:
-            outline = await anyio.to_thread.run_sync(plan_of, self.converter, job.source, job.recipe)
+            outline = await anyio.to_thread.run_sync(self._plan_blocking, job, limiter=self.source_limiter())
         except Exception as exc:  # noqa: BLE001 - every failure of the check is reported as an API error
             err = error_for_exception(exc)
             outcome = "invalid" if err.status == 422 else "failed"

@@ -21,6 +21,12 @@ setting (flag)                         environment variable                     
 the crash and load tests, described in :mod:`transformd.api.testing`; it is off unless set, and the daemon logs a
 warning when it is on. Never set it in production.
 
+Callers (see :mod:`.peers`): on the unix socket, the peer's uid and groups from the kernel; every TCP token holder
+is one identity, ``tcp_uid``/``tcp_gids`` (``TRANSFORMD_TCP_UID``, ``TRANSFORMD_TCP_GIDS``: comma-separated),
+by default the daemon's own user and groups (so the token grants what the daemon may read). ``admin_uids``
+(``TRANSFORMD_ADMIN_UIDS``; default root and the daemon's uid) may act on every entry and lease.
+``max_leases_per_caller`` (64) and ``max_queued_per_caller`` (4) bound what one uid can hold and queue.
+
 Listeners: a unix socket by default. ``--port`` opens a TCP listener (on ``--host``, loopback by
 default) and then requires ``--token-file``; with a port, the unix socket is opened too only
 when a socket path is given explicitly (flag or ``TRANSFORMD_SOCKET``).
@@ -35,6 +41,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .peers import Caller, daemon_identity
 
 #: Environment variable prefix of every setting.
 ENV_PREFIX = "TRANSFORMD_"
@@ -89,6 +97,20 @@ class Settings(BaseSettings):
     max_queued_conversions: int = Field(16, ge=0, le=100_000, description="conversions waiting for a worker")
     max_lease_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
     default_lease_ttl_s: float = Field(3600.0, gt=0)
+    #: uid and gids every TCP token holder acts as (default: the daemon's own user and groups)
+    tcp_uid: int | None = Field(None, ge=0, description="uid of TCP token holders (default: the daemon's)")
+    tcp_gids: Annotated[list[int], NoDecode] = Field(
+        default_factory=list, description="gids of TCP token holders (default: the daemon's)"
+    )
+    #: uids that may act on every lease and entry (default: root and the daemon's own uid)
+    admin_uids: Annotated[list[int], NoDecode] = Field(default_factory=list, description="admin uids")
+    max_leases_per_caller: int = Field(64, ge=1, le=100_000, description="live leases one uid may hold")
+    max_queued_per_caller: int = Field(4, ge=1, le=100_000, description="queued conversions of one uid")
+    #: open connections per listener kind; past them a JSON 503 (a TCP flood never takes the unix socket's)
+    max_unix_connections: int = Field(2048, ge=1, le=1_000_000)
+    max_tcp_connections: int = Field(256, ge=1, le=1_000_000)
+    #: seconds a new connection has to send its first request's headers (else a JSON 408 and close)
+    header_timeout_s: float = Field(10.0, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     #: seconds the daemon waits for cancelled conversions to clean up when it stops
     shutdown_grace_s: float = Field(10.0, ge=0)
@@ -98,6 +120,13 @@ class Settings(BaseSettings):
     def _split_roots(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [p for p in value.split(os.pathsep) if p]
+        return value
+
+    @field_validator("tcp_gids", "admin_uids", mode="before")
+    @classmethod
+    def _split_ints(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [int(p) for p in value.replace(",", " ").split() if p]
         return value
 
     @field_validator("allow_roots")
@@ -132,6 +161,17 @@ class Settings(BaseSettings):
 
     def tcp_host(self) -> str:
         return self.host or "127.0.0.1"
+
+    def tcp_caller(self) -> Caller:
+        """The identity of every TCP token holder."""
+        me = daemon_identity("tcp")
+        uid = me.uid if self.tcp_uid is None else self.tcp_uid
+        gids = frozenset(self.tcp_gids) if self.tcp_gids else (me.gids if self.tcp_uid is None else frozenset())
+        return Caller(uid, gids, None, "tcp")
+
+    def admins(self) -> frozenset[int]:
+        """uids that may act on every lease and entry."""
+        return frozenset(self.admin_uids) if self.admin_uids else frozenset({0, os.geteuid()})
 
     def resolved_allow_roots(self) -> list[Path]:
         """The allowed roots with symlinks resolved (roots that do not exist yet are resolved as far as they do)."""
@@ -178,5 +218,10 @@ def read_token_file(path: Path) -> bytes:
         raise SettingsError(
             f"token file {path} must hold one line of at least {MIN_TOKEN_CHARS} printable ASCII characters "
             "without spaces (e.g. `openssl rand -hex 32 > FILE`)"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:  # like ssh with a private key: a shared secret must not be shared
+        raise SettingsError(
+            f"token file {path} is accessible to group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"anyone who can read it can use the daemon: run `chmod 600 {path}` and start again"
         )
     return token

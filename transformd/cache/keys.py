@@ -7,20 +7,23 @@ checkpoint share a key, and one changed byte anywhere gives a new key.
 Content ids are prefixed by their kind:
 
 - ``blake3:<64 hex>``: BLAKE3 of the file's bytes (hashed with all cores, memory-mapped).
-- ``hf-sha256:<64 hex>``: a Hugging Face hub snapshot file that links to ``blobs/<sha256>``
-  (LFS files: the blob name is the SHA-256 of the content). Not read at all.
-- ``hf-git-sha1:<40 hex>``: a hub snapshot file linking to ``blobs/<git blob sha1>`` (small,
-  non-LFS files). Not read at all.
-- The same two kinds for a file downloaded with ``hf download --local-dir``, from the etag that
-  huggingface_hub records in ``.cache/huggingface/download/<name>.metadata``, as long as the file
-  was not modified after that record (huggingface_hub's own rule).
+- ``hf-sha256:<64 hex>``: SHA-256 of the file's bytes, used for a file that *claims* it: a Hugging
+  Face hub snapshot file linking to ``blobs/<sha256>`` (LFS files), or a file whose
+  ``hf download --local-dir`` record (``.cache/huggingface/download/<name>.metadata``) names that etag.
+- ``hf-git-sha1:<40 hex>``: the git blob id of the bytes, for a file that claims it the same way
+  (small, non-LFS files).
 
-So a hub snapshot and a local-dir download of one revision share a key; a plain copy (``cp -r``)
-of the same files gets another (one extra conversion). Any two plain copies of the same content
-share one.
+A claim is a hint, never proof: the file's bytes are read (through the checked descriptor) and
+hashed in the claimed kind, and the claimed id is used only when it matches; otherwise the id is
+the BLAKE3 of the bytes. The download record's timestamp is ignored. So a hub snapshot and a
+local-dir download of one revision share a key once verified, a forged blob name or etag never
+lends a file another content's key, and a plain copy (``cp -r``) of the same files gets another key
+(one extra conversion). Any two plain copies of the same content share one.
 
 The stat cache remembers, per source directory, ``(device, inode, size, mtime_ns, ctime_ns) ->
-content id`` for each file, so an unchanged checkpoint is never read twice. A file modified
+content id`` for each file (only ids computed from the bytes, claims included once verified), so an
+unchanged checkpoint is never read twice. ``ctime`` is set by the kernel on every change and cannot
+be set by a user, so a forged timestamp cannot keep an old id. A file modified
 less than :data:`RACY_WINDOW_NS` before it was hashed is not remembered (its mtime may not
 change on a second write within the file system's timestamp granularity); it is hashed again
 on the next request.
@@ -28,12 +31,14 @@ on the next request.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import mmap
 import os
 import re
 import stat as stat_mod
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,7 @@ import blake3
 from ..formats import FORMAT_VERSION, ScaleMode, Target
 from ._fs import read_json, write_json_atomic
 from .errors import InvalidKeyError, SourceError
+from .securefs import SourceTree, open_source
 
 #: Version of the key derivation itself (bump when the canonical form changes).
 KEY_SCHEMA = 1
@@ -126,6 +132,8 @@ class SourceIdentity:
     #: files and bytes actually read and hashed to compute this identity (0 on a warm stat cache)
     hashed_files: int = field(compare=False, default=0)
     hashed_bytes: int = field(compare=False, default=0)
+    #: who may read the source (securefs.AccessFacts): the daemon serves it only to such callers
+    access: Any = field(compare=False, repr=False, default=None)
 
     @property
     def total_bytes(self) -> int:
@@ -211,16 +219,18 @@ def iter_source_files(src: Path) -> Iterator[tuple[str, str, os.stat_result]]:
     return iter(out)
 
 
-def hub_content_id(path: str, src_real: str) -> str | None:
-    """Content id of a hub snapshot file from the blob it links to, or None if it is not one.
+def hub_content_id(path: str, src_real: str, target: str | None = None) -> str | None:
+    """The content id a hub snapshot file *claims* from the blob it links to, or None if it is not one.
 
     A hub snapshot file ``<repo>/snapshots/<rev>/<name>`` is a symlink to
     ``<repo>/blobs/<sha256 or git sha1>``; the blob must belong to the same ``<repo>`` as the
-    snapshot directory being identified.
+    snapshot directory being identified. ``target``: the real path of the opened file (else resolved
+    here). A claim only: :func:`identity_of_tree` hashes the bytes and uses it only when they match.
     """
-    if not os.path.islink(path):
-        return None
-    target = os.path.realpath(path)
+    if target is None:
+        if not os.path.islink(path):
+            return None
+        target = os.path.realpath(path)
     blobs = os.path.dirname(target)
     if os.path.basename(blobs) != "blobs":
         return None
@@ -235,28 +245,57 @@ def hub_content_id(path: str, src_real: str) -> str | None:
     return None
 
 
-def hub_local_dir_content_id(src_real: str, rel: str, st: os.stat_result) -> str | None:
-    """Content id of a file downloaded with ``huggingface_hub`` into a local directory, or None.
+def _parse_download_record(text: str | None) -> str | None:
+    """The etag of a ``--local-dir`` download record (commit, etag, timestamp lines) as a claimed id, or None.
 
-    ``hf download --local-dir DIR`` records each file's etag (SHA-256 for LFS files, git blob
-    SHA-1 for small ones) in ``DIR/.cache/huggingface/download/<name>.metadata`` (three lines:
-    commit, etag, timestamp). Like huggingface_hub itself, the record is trusted only while the
-    file has not been modified after it was written (mtime - 1 s <= timestamp).
+    The timestamp is ignored: whether the file still holds that content is decided by hashing it.
     """
-    meta = os.path.join(src_real, ".cache", "huggingface", "download", rel + ".metadata")
-    try:
-        with open(meta, encoding="utf-8") as f:
-            lines = f.read(4096).splitlines()
-        etag, timestamp = lines[1].strip(), float(lines[2].strip())
-    except (OSError, IndexError, ValueError):
+    if not text:
         return None
-    if st.st_mtime - 1 > timestamp:
+    lines = text.splitlines()
+    if len(lines) < 2:
         return None
+    etag = lines[1].strip()
     if _HUB_SHA256.fullmatch(etag):
         return "hf-sha256:" + etag
     if _HUB_SHA1.fullmatch(etag):
         return "hf-git-sha1:" + etag
     return None
+
+
+def hub_local_dir_content_id(src_real: str, rel: str, st: os.stat_result) -> str | None:
+    """The content id a ``huggingface_hub`` ``--local-dir`` download record claims for ``rel``, or None.
+
+    ``hf download --local-dir DIR`` records each file's etag (SHA-256 for LFS files, git blob
+    SHA-1 for small ones) in ``DIR/.cache/huggingface/download/<name>.metadata``. A claim only.
+    """
+    meta = os.path.join(src_real, ".cache", "huggingface", "download", rel + ".metadata")
+    try:
+        fd = os.open(meta, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return _parse_download_record(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _claim_digest(fd: int, size: int, claim: str) -> str:
+    """The id of the bytes behind ``fd`` in the kind of ``claim`` (``hf-sha256:`` or ``hf-git-sha1:``)."""
+    if claim.startswith("hf-sha256:"):
+        h = hashlib.sha256()
+        kind = "hf-sha256:"
+    else:
+        h = hashlib.sha1(b"blob %d\0" % size)  # noqa: S324 - git's blob id, compared, not trusted
+        kind = "hf-git-sha1:"
+    if size:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            h.update(mm)
+    return kind + h.hexdigest()
 
 
 class StatCache:
@@ -295,50 +334,84 @@ class StatCache:
             pass  # an unwritable stat cache costs speed, not correctness
 
 
-def source_identity(src: Path | str, *, stat_cache: StatCache | None = None) -> SourceIdentity:
-    """Identify the content of the checkpoint directory ``src`` (see the module docstring)."""
-    src = Path(src)
-    src_real = os.path.realpath(src)
-    listing = list(iter_source_files(src))
-    if not listing:
-        raise SourceError(f"source checkpoint directory {src} contains no files")
+def source_identity(
+    src: Path | str,
+    *,
+    stat_cache: StatCache | None = None,
+    roots: Sequence[str] | None = None,
+    before_hashing: Callable[[int], None] | None = None,
+) -> SourceIdentity:
+    """Identify the content of the checkpoint directory ``src`` (see the module docstring).
+
+    ``roots``: every file must resolve inside one of these real paths (see :mod:`.securefs`).
+    """
+    with open_source(src, roots) as tree:
+        return identity_of_tree(tree, stat_cache=stat_cache, before_hashing=before_hashing)
+
+
+def identity_of_tree(
+    tree: SourceTree,
+    *,
+    stat_cache: StatCache | None = None,
+    before_hashing: Callable[[int], None] | None = None,
+) -> SourceIdentity:
+    """The identity of the files of an opened :class:`SourceTree`, hashing what the stat cache does not know.
+
+    Every byte hashed is read through the tree's checked descriptors. A digest that a hub blob name or a
+    download record claims is used as the file's id only once the file's bytes were hashed and matched it
+    (remembered in the stat cache under the file's full stat signature); otherwise the id is the BLAKE3 of
+    the bytes. Modification times never stand in for content. ``before_hashing(total bytes of the source)`` is
+    called once before the first byte is hashed (a size check that may raise: no work before limits).
+    """
+    src_real = tree.real
+    if not tree.files:
+        raise SourceError(f"source checkpoint directory {tree.src} contains no files")
     remembered = stat_cache.load(src_real) if stat_cache is not None else {}
-    local_dir = os.path.isdir(os.path.join(src_real, ".cache", "huggingface", "download"))
     updated: dict[str, list[Any]] = {}
     records: list[FileRecord] = []
     sigs: list[StatSig] = []
     hashed_files = hashed_bytes = 0
-    for rel, path, st in listing:
+    for f in tree.files:
+        rel, st = f.rel, f.st
         sig = _sig(st)
-        digest = hub_content_id(path, src_real)
-        if digest is None and local_dir and not os.path.islink(path):
-            digest = hub_local_dir_content_id(src_real, rel, st)
-        if digest is None:
-            old = remembered.get(rel)
-            if isinstance(old, list) and len(old) == 6 and tuple(old[:5]) == sig:
-                digest = str(old[5])
-                updated[rel] = old
-            else:
-                started = time.time_ns()
-                try:
-                    digest = hash_file(path)
-                except OSError as e:
-                    raise SourceError(f"cannot read {path}: {e.strerror}") from e
-                hashed_files += 1
-                hashed_bytes += st.st_size
-                try:
-                    after = _sig(os.stat(path))
-                except OSError:
-                    after = None
-                if after != sig:
-                    raise SourceError(f"{path} changed while it was being read; try again when it is complete")
-                if st.st_mtime_ns < started - RACY_WINDOW_NS:
-                    updated[rel] = [*sig, digest]
+        old = remembered.get(rel)
+        if isinstance(old, list) and len(old) == 6 and tuple(old[:5]) == sig:
+            digest = str(old[5])
+            updated[rel] = old
+        else:
+            if before_hashing is not None:
+                before_hashing(sum(x.st.st_size for x in tree.files))
+                before_hashing = None
+            claim = hub_content_id(os.path.join(src_real, rel), src_real, f.real)
+            if claim is None:
+                claim = _parse_download_record(tree.read_meta(rel))
+            started = time.time_ns()
+            try:
+                digest = None
+                if claim is not None:
+                    actual = _claim_digest(f.fd, st.st_size, claim)
+                    digest = claim if actual == claim else None
+                if digest is None:
+                    digest = hash_file(f.proc_path)
+            except (OSError, ValueError) as e:
+                raise SourceError(f"cannot read {os.path.join(tree.src, rel)}: {getattr(e, 'strerror', e)}") from e
+            hashed_files += 1
+            hashed_bytes += st.st_size
+            try:
+                after = _sig(os.fstat(f.fd))
+            except OSError:
+                after = None
+            if after != sig:
+                raise SourceError(
+                    f"{os.path.join(tree.src, rel)} changed while it was being read; try again when it is complete"
+                )
+            if st.st_mtime_ns < started - RACY_WINDOW_NS:
+                updated[rel] = [*sig, digest]
         records.append(FileRecord(rel, st.st_size, digest))
         sigs.append(sig)
     if stat_cache is not None and updated != remembered:
         stat_cache.save(src_real, updated)
-    return SourceIdentity(tuple(records), Path(src_real), tuple(sigs), hashed_files, hashed_bytes)
+    return SourceIdentity(tuple(records), Path(src_real), tuple(sigs), hashed_files, hashed_bytes, tree.facts())
 
 
 def changed_files(identity: SourceIdentity) -> list[str]:

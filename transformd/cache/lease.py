@@ -43,6 +43,8 @@ class Lease:
     #: identity of the holding process (see :func:`transformd.cache.lock.process_identity`), or
     #: None for a lease that only expires (e.g. one the daemon holds for a remote client)
     owner: dict[str, Any] | None = None
+    #: uid of the caller that took it (the daemon's callers), or None; only that uid or an admin may release it
+    uid: int | None = None
 
     def holder_alive(self) -> bool | None:
         return process_alive(self.owner) if self.owner else None
@@ -64,6 +66,7 @@ class Lease:
             "expires_at": self.expires_at,
             "holder": self.holder,
             "owner": self.owner,
+            "uid": self.uid,
         }
 
     @classmethod
@@ -75,6 +78,7 @@ class Lease:
             expires_at=float(d["expires_at"]),
             holder=str(d.get("holder", "")),
             owner=d.get("owner"),
+            uid=d["uid"] if isinstance(d.get("uid"), int) else None,
         )
 
 

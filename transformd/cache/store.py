@@ -48,14 +48,15 @@ from .keys import (
     SourceIdentity,
     StatCache,
     cache_key,
-    changed_files,
     hash_file,
+    identity_of_tree,
     source_identity,
     validate_key,
 )
 from .lease import Lease, lease_path, new_lease_id, read_leases, validate_lease_id, write_lease
 from .lock import FileLock, SharedExclusiveLock, process_alive, process_identity
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest, jsonable
+from .securefs import SourceTree, open_source
 
 #: Environment variable naming the cache root.
 ENV_CACHE_DIR = "TRANSFORMD_CACHE_DIR"
@@ -389,6 +390,8 @@ class Cache:
         self._fault_hook: Callable[[str], None] | None = None
         self._ensure_layout()
         self.stat_cache = StatCache(self.root / "stat-cache")
+        #: real paths every source file must resolve inside (checked on the open descriptors); None: no check
+        self.allowed_roots: tuple[str, ...] | None = None
         if cleanup:
             self.cleanup()
 
@@ -532,7 +535,35 @@ class Cache:
 
     def identity(self, src: str | os.PathLike[str]) -> SourceIdentity:
         """The content identity of ``src`` (hashes only files the stat cache does not know)."""
-        return source_identity(Path(src), stat_cache=self.stat_cache)
+        return source_identity(
+            Path(src), stat_cache=self.stat_cache, roots=self.allowed_roots, before_hashing=self.check_fits
+        )
+
+    def check_fits(self, source_bytes: int) -> None:
+        """Raise :class:`CacheFullError` when a conversion of ``source_bytes`` can never fit (budget, or the file
+        system's free space plus what the cache holds); checked from sizes alone, before anything is hashed."""
+        needed = source_bytes + ENTRY_OVERHEAD_BYTES
+        budget = self.budget_bytes
+        if needed > budget:
+            raise CacheFullError(
+                f"cache {self.root} cannot hold the conversion: it needs about {human_bytes(needed)} ({needed} bytes) "
+                f"but the budget is only {human_bytes(budget)}. Nothing was evicted or hashed. Raise the budget "
+                "(--cache-budget) or use another --cache-dir",
+                root=self.root, needed_bytes=needed, budget_bytes=budget, used_bytes=-1,
+            )
+        used = self._used_bytes()
+        room = free_bytes(self.root) + used
+        if needed > room:
+            raise CacheFullError(
+                f"the conversion needs about {human_bytes(needed)} ({needed} bytes); the cache's file system has "
+                f"{human_bytes(room)} even with every entry evicted. Nothing was evicted or hashed. Free space on it "
+                "or use another --cache-dir",
+                root=self.root, needed_bytes=needed, budget_bytes=budget, used_bytes=used, free_bytes=room - used,
+            )
+
+    def open_source(self, src: str | os.PathLike[str]) -> SourceTree:
+        """Every file of ``src`` opened and checked against :attr:`allowed_roots` (see :mod:`.securefs`)."""
+        return open_source(src, self.allowed_roots)
 
     def key_for(self, src: str | os.PathLike[str], recipe: Recipe | None = None) -> str:
         return cache_key(self.identity(src), recipe or Recipe())
@@ -597,8 +628,24 @@ class Cache:
         :class:`CacheTimeoutError`.
         """
         recipe = recipe or Recipe()
+        with self.open_source(src) as tree:
+            return self._get_or_convert(
+                tree, src, recipe, progress, converter, timeout, lease_ttl, poll_interval
+            )
+
+    def _get_or_convert(
+        self,
+        tree: SourceTree,
+        src: str | os.PathLike[str],
+        recipe: Recipe,
+        progress: Callable[[ConversionStatus], None] | None,
+        converter: Converter | None,
+        timeout: float | None,
+        lease_ttl: float | None,
+        poll_interval: float,
+    ) -> Entry:
         t0 = time.monotonic()
-        ident = self.identity(src)
+        ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=self.check_fits)
         key = cache_key(ident, recipe)
         identify_s = time.monotonic() - t0
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -628,6 +675,7 @@ class Cache:
                     self._convert_locked(
                         key,
                         Path(src).absolute(),
+                        tree,
                         ident,
                         recipe,
                         converter or self.converter,
@@ -670,6 +718,7 @@ class Cache:
         self,
         key: str,
         src: Path,
+        tree: SourceTree,
         ident: SourceIdentity,
         recipe: Recipe,
         converter: Converter,
@@ -690,10 +739,17 @@ class Cache:
             stage.mkdir()
             out = stage / CHECKPOINT_DIR
             t = time.monotonic()
-            result = converter(src, out, recipe, writer)
+            # The converter reads the checked descriptors only (a view of the tree), never the source by name:
+            # what it reads is what the key covers, and nothing outside the roots.
+            view = tree.view()
+            try:
+                result = converter(view, out, recipe, writer)
+            except BaseException as exc:
+                raise tree.relocate(exc, view)  # noqa: B904 - the same exception, naming the source
+            result = _relocate(jsonable(result), str(view), str(src))
             timings["convert"] = time.monotonic() - t
             self._hook("converted")
-            changed = changed_files(ident)
+            changed = tree.changed()
             if changed:
                 raise SourceError(
                     f"source checkpoint {src} changed while it was converted ({', '.join(changed[:5])}"
@@ -718,7 +774,7 @@ class Cache:
                 files=files,
                 created_at=time.time(),
                 timings={k: round(v, 6) for k, v in timings.items()},
-                result=_relocate(jsonable(result), str(stage), str(self.entries_dir / key)),
+                result=_relocate(result, str(stage), str(self.entries_dir / key)),
                 transformd_version=__version__,
                 host=writer.owner["host"],
             )
@@ -978,7 +1034,9 @@ class Cache:
 
     # ------------------------------------------------------------------ leases
 
-    def acquire_lease(self, key: str, ttl_s: float, *, holder: str = "", pid: int | None = CURRENT_PROCESS) -> Lease:
+    def acquire_lease(
+        self, key: str, ttl_s: float, *, holder: str = "", pid: int | None = CURRENT_PROCESS, uid: int | None = None
+    ) -> Lease:
         """Protect entry ``key`` from eviction for ``ttl_s`` seconds (renewable).
 
         ``pid``: the holding process (default: this one; the lease stops protecting when it
@@ -990,7 +1048,7 @@ class Cache:
             raise ValueError(f"lease ttl must be positive, not {ttl_s}")
         owner = None if pid is None else process_identity(None if pid == CURRENT_PROCESS else pid)
         now = time.time()
-        lease = Lease(key, new_lease_id(), now, now + ttl_s, holder, owner)
+        lease = Lease(key, new_lease_id(), now, now + ttl_s, holder, owner, uid)
         self._write_lease_checked(lease)
         return lease
 
@@ -998,7 +1056,9 @@ class Cache:
         """Extend ``lease`` to ``ttl_s`` seconds from now (recreating it if gc removed it as expired)."""
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be positive, not {ttl_s}")
-        renewed = Lease(lease.key, lease.id, lease.created_at, time.time() + ttl_s, lease.holder, lease.owner)
+        renewed = Lease(
+            lease.key, lease.id, lease.created_at, time.time() + ttl_s, lease.holder, lease.owner, lease.uid
+        )
         self._write_lease_checked(renewed)
         return renewed
 

@@ -1,0 +1,144 @@
+"""Trust class 2: the confused deputy. A source (and its cached conversion) is served only to a caller who could
+read every file of it; callers are told apart by the unix socket's peer credentials.
+
+The test runs as root (the daemon too, in a thread: it can read everything). Another caller is a real process
+that ``setuid``s to an unprivileged uid (65534) and speaks HTTP over the daemon's unix socket. A checkpoint in a
+0700 directory owned by uid 1000 is readable by the daemon, not by uid 65534:
+
+* uid 65534 POSTing it: 403 ``permission_denied`` (before: converted and served, 0444);
+* the entry converted for root: uid 65534 gets 403 for its state, its files, one shard and a lease;
+* uid 65534 with its own readable copy of the same content: served (same key: content, not paths);
+* a source the unprivileged caller can read (world-readable) is served to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from transformd.api.settings import Settings
+from transformd.api.testing import DaemonThread, short_tempdir, wait_ready
+from transformd.sample import write_sample_checkpoint
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid"),
+]
+
+CATEGORY = "trust 2: confused deputy (caller credentials)"
+NOBODY = 65534
+OWNER = 1000
+
+_CLIENT = textwrap.dedent(
+    """
+    import json, os, socket, sys
+    uid = int(sys.argv[2])
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    out = []
+    for method, path, body in json.loads(sys.argv[3]):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(60)
+        s.connect(sys.argv[1])
+        data = b"" if body is None else json.dumps(body).encode()
+        s.sendall(f"{method} {path} HTTP/1.1\\r\\nHost: td\\r\\nContent-Type: application/json\\r\\n"
+                  f"Content-Length: {len(data)}\\r\\nConnection: close\\r\\n\\r\\n".encode() + data)
+        raw = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+        s.close()
+        head, _, payload = raw.partition(b"\\r\\n\\r\\n")
+        out.append([int(head.split()[1]), payload.decode("utf-8", "replace")])
+    print(json.dumps(out))
+    """
+)
+
+
+def as_uid(sock: Path, uid: int, requests: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
+    """Run ``requests`` (method, path, JSON body) as ``uid`` in a child process; (status, JSON) per request."""
+    r = subprocess.run([sys.executable, "-c", _CLIENT, str(sock), str(uid), json.dumps(requests)],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    return [(status, json.loads(body) if body.strip() else None) for status, body in json.loads(r.stdout)]
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[dict[str, Any]]:
+    base = short_tempdir("tdcb-")  # not under pytest's 0700 root: the unprivileged caller must reach its copy
+    os.chmod(base, 0o755)
+    allowed = base / "models"
+    allowed.mkdir(mode=0o755)
+    private_home = allowed / "alice"
+    private_home.mkdir()
+    private = write_sample_checkpoint(private_home / "m", layers=1, experts=2)
+    for p in [private_home, *private_home.rglob("*")]:
+        os.chown(p, OWNER, OWNER)
+    os.chmod(private_home, 0o700)
+    public = allowed / "public" / "m"
+    shutil.copytree(private, public)
+    for p in [public.parent, public, *public.rglob("*")]:
+        os.chown(p, NOBODY, NOBODY)
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    run = short_tempdir("tdc-")
+    os.chmod(run, 0o755)
+    settings = Settings(socket=run / "td.sock", cache_dir=base / "cache", allow_roots=[allowed], device="cpu",
+                        log_level="critical")
+    daemon = DaemonThread(settings).start()
+    os.chmod(run / "td.sock", 0o666)  # let the unprivileged process connect (the test's choice, not the default)
+    try:
+        with daemon.client(timeout=60) as http:
+            yield {"http": http, "sock": run / "td.sock", "private": private, "public": public}
+    finally:
+        daemon.stop()
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_caller_who_cannot_read_the_source_is_refused(world: dict[str, Any], fault_log) -> None:
+    (status, body), = as_uid(world["sock"], NOBODY, [("POST", "/v1/checkpoints", {"source": str(world["private"])})])
+    assert status == 403, (status, body)
+    assert body["error"]["code"] == "permission_denied", body
+    assert "may not read" in body["error"]["message"]
+    fault_log.record(CATEGORY, "uid 65534 POSTs a checkpoint in uid 1000's 0700 directory", 1,
+                     "403 permission_denied, nothing converted for it")
+
+
+def test_a_cached_entry_is_served_only_to_callers_who_can_read_its_source(world: dict[str, Any], fault_log) -> None:
+    http = world["http"]
+    r = http.post("/v1/checkpoints", json={"source": str(world["private"])})  # root: may read it
+    assert r.status_code in (200, 202), r.text
+    key = r.json()["key"]
+    ready = wait_ready(http, key, timeout=120)
+    assert ready["state"] == "ready"
+    shard = "model-00001-of-00002.safetensors"
+    answers = as_uid(world["sock"], NOBODY, [
+        ("GET", f"/v1/checkpoints/{key}", None),
+        ("GET", f"/v1/checkpoints/{key}/files", None),
+        ("GET", f"/v1/checkpoints/{key}/files/{shard}", None),
+        ("POST", f"/v1/checkpoints/{key}/leases", {"ttl_s": 60}),
+        ("DELETE", f"/v1/checkpoints/{key}", None),
+        ("POST", "/v1/checkpoints", {"source": str(world["private"])}),
+    ])
+    for status, body in answers:
+        assert status == 403, answers
+        assert str(world["private"]) + "/" not in json.dumps(body)
+    assert http.get(f"/v1/checkpoints/{key}").json()["state"] == "ready"  # still there for root
+    # the same content in a copy the caller can read: served (the key is the content's)
+    (status, body), = as_uid(world["sock"], NOBODY, [("POST", "/v1/checkpoints", {"source": str(world["public"])})])
+    assert status == 200 and body["key"] == key and body["state"] == "ready", (status, body)
+    answers = as_uid(world["sock"], NOBODY, [("GET", f"/v1/checkpoints/{key}/files", None)])
+    assert answers[0][0] == 200, answers
+    fault_log.record(CATEGORY, "uid 65534 asks for the entry of a 0700 checkpoint by key (state, files, shard, "
+                     "lease, delete, POST)", len(answers) + 6, "403 each; served after POSTing its own readable copy")

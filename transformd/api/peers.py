@@ -1,0 +1,199 @@
+"""Who is asking: the caller's uid and groups, and whether that caller could read a source itself.
+
+The daemon reads sources with its own rights; it must not hand a caller a conversion of files the caller could
+not read (a confused deputy). So every request carries a :class:`Caller`:
+
+* on the unix socket: the peer credentials of the connection, taken by the kernel when the client connected
+  (``SO_PEERCRED``: pid, uid, gid; ``SO_PEERGROUPS``: the supplementary groups, Linux >= 4.13; else the
+  ``Groups:`` line of ``/proc/PID/status``, kept only when that process still has the same uid);
+* on TCP: one configured identity for every holder of the token (``tcp_uid``/``tcp_gids`` settings; by default
+  the daemon's own user, i.e. the rights the daemon has).
+
+:func:`denied` decides from the stat facts that the source walk collected (:class:`AccessFacts`): read
+permission on every file, read and search permission on every directory of the source, search permission on
+every directory above each of them, evaluated like the kernel does from owner, group and mode bits (uid 0
+may read everything). POSIX ACLs are not evaluated: a file readable only through an ACL entry is refused.
+
+The uvicorn protocol classes of :func:`peer_protocol` put the caller of a unix connection into the ASGI scope
+under :data:`SCOPE_KEY`, once per connection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ..cache.securefs import AccessFacts, Fact
+
+#: ASGI scope key of the :class:`Caller` of a request.
+SCOPE_KEY = "transformd.caller"
+#: ``SO_PEERGROUPS`` (Linux asm-generic value; Python does not export it everywhere).
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_R, _X = 4, 1
+
+
+@dataclass(frozen=True)
+class Caller:
+    """One identity asking: uid, primary and supplementary gids, where it came from."""
+
+    uid: int
+    gids: frozenset[int]
+    pid: int | None = None
+    via: str = "unix"
+
+    def describe(self) -> str:
+        return f"uid {self.uid}" + (f" (pid {self.pid})" if self.pid else "") + f" via {self.via}"
+
+
+def daemon_identity(via: str = "self") -> Caller:
+    return Caller(os.geteuid(), frozenset({os.getegid(), *os.getgroups()}), os.getpid(), via)
+
+
+def _proc_groups(pid: int, uid: int) -> set[int] | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            text = f.read(16384)
+    except OSError:
+        return None
+    groups: set[int] | None = None
+    uid_ok = False
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            uid_ok = line.split()[1:2] == [str(uid)]
+        elif line.startswith("Groups:"):
+            groups = {int(g) for g in line.split()[1:] if g.isdigit()}
+    return groups if uid_ok else None
+
+
+def peer_caller(sock: socket.socket) -> Caller | None:
+    """The :class:`Caller` at the other end of a connected unix socket, or None when it cannot be told."""
+    try:
+        pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (OSError, struct.error, AttributeError):
+        return None
+    groups: set[int] | None = None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 1024)
+        groups = set(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    except OSError:
+        groups = _proc_groups(pid, uid)
+    return Caller(uid, frozenset({gid, *(groups or ())}), pid, "unix")
+
+
+# ---------------------------------------------------------------------------------------------------- permissions
+
+def _bits(fact: Fact, caller: Caller) -> int:
+    _, uid, gid, mode = fact
+    if uid == caller.uid:
+        return (mode >> 6) & 7
+    if gid in caller.gids:
+        return (mode >> 3) & 7
+    return mode & 7
+
+
+def denied(caller: Caller, facts: AccessFacts, shown: Any = None) -> str | None:
+    """None when ``caller`` may read every file of the source; else which kind of permission is missing (no path
+    outside the source is named)."""
+    if caller.uid == 0:
+        return None
+    for fact in facts.ancestors:
+        if not _bits(fact, caller) & _X:
+            return "search permission on a directory above the source"
+    for fact in facts.dirs:
+        if _bits(fact, caller) & (_R | _X) != (_R | _X):
+            return "read permission on a directory of the source"
+    for fact in facts.files:
+        if not _bits(fact, caller) & _R:
+            return "read permission on a file of the source"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- uvicorn
+
+
+def _raw_error(status: int, reason: str, code: str, message: str) -> bytes:
+    body = json.dumps({"error": {"status": status, "code": code, "message": message}}).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\nretry-after: 5\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, header_timeout_s: float = 10.0) -> type:
+    """A subclass of uvicorn's HTTP protocol ``base``: the unix peer's :class:`Caller` in every scope, a limit of
+    open connections per listener kind (``{"unix": n, "tcp": m}``; past it, a JSON 503 and close, so a flood of
+    TCP connections never takes the unix socket's capacity), and a deadline for the first request's headers (an
+    idle or trickling connection gets a JSON 408 and is closed; uvicorn's keep-alive timeout covers the rest)."""
+    limits = dict(max_connections or {})
+    counts = {"unix": 0, "tcp": 0}
+
+    class PeerProtocol(base):  # type: ignore[misc, valid-type]
+        _td_refused = False
+        _td_kind: str | None = None
+        _td_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            sock = transport.get_extra_info("socket")
+            kind = "unix" if sock is not None and getattr(sock, "family", None) == socket.AF_UNIX else "tcp"
+            limit = limits.get(kind)
+            if limit is not None and counts[kind] >= limit:
+                self._td_refused = True
+                transport.write(_raw_error(503, "Service Unavailable", "too_many_connections",
+                                           f"this daemon's {kind} listener has {limit} open connections; retry "
+                                           "later (idle connections are closed after a few seconds)"))
+                transport.close()
+                return
+            counts[kind] += 1
+            self._td_kind = kind
+            super().connection_made(transport)
+            self._td_timer = self.loop.call_later(header_timeout_s, self._td_header_deadline)
+            if kind != "unix":
+                return
+            caller = peer_caller(sock)
+            app = self.app
+
+            async def with_caller(scope: Any, receive: Any, send: Any) -> None:
+                scope[SCOPE_KEY] = caller
+                await app(scope, receive, send)
+
+            self.app = with_caller
+
+        def _td_header_deadline(self) -> None:
+            if getattr(self, "cycle", None) is None and not self.transport.is_closing():
+                self.transport.write(_raw_error(408, "Request Timeout", "request_timeout",
+                                                f"no complete request within {header_timeout_s:g} s"))
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._td_refused:
+                super().data_received(data)
+
+        def eof_received(self) -> None:
+            if not self._td_refused:
+                super().eof_received()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._td_refused:
+                return
+            if self._td_timer is not None:
+                self._td_timer.cancel()
+            if self._td_kind is not None:
+                counts[self._td_kind] -= 1
+                self._td_kind = None
+            super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            if not self._td_refused:
+                super().pause_writing()
+
+        def resume_writing(self) -> None:
+            if not self._td_refused:
+                super().resume_writing()
+
+    PeerProtocol.__name__ = PeerProtocol.__qualname__ = f"Peer{base.__name__}"
+    return PeerProtocol
