@@ -117,7 +117,10 @@ def _base_config(arch: str, model_type: str, quantization_config: dict, **extra)
     }
 
 
-def _attention(b: _Builder, p: str, *, mx: bool, scale: str = "weight_scale") -> None:
+def _attention(b: _Builder, p: str, *, mx: bool, scale: str = "weight_scale", qk_norm: bool = True) -> None:
+    if qk_norm:  # Qwen3's per-head RMSNorms of q and k
+        b.norm(f"{p}.self_attn.q_norm.weight", HEAD_DIM)
+        b.norm(f"{p}.self_attn.k_norm.weight", HEAD_DIM)
     shapes = {"q": (HIDDEN, HIDDEN), "k": (HEAD_DIM, HIDDEN), "v": (HEAD_DIM, HIDDEN), "o": (HIDDEN, HIDDEN)}
     for x, shape in shapes.items():
         name = f"{p}.self_attn.{x}_proj"
@@ -166,7 +169,7 @@ def minimax(root: Path, seed: int = 0, *, arch: str = "MiniMaxM2ForCausalLM") ->
     b = _Builder(seed, scale_dtype=torch.float8_e8m0fnu)
     _embeddings(b)
     p = "model.layers.0"
-    _attention(b, p, mx=True, scale="weight_scale_inv")
+    _attention(b, p, mx=True, scale="weight_scale_inv", qk_norm=False)
     moe = f"{p}.block_sparse_moe"
     b.f32(f"{moe}.gate.weight", (EXPERTS, HIDDEN))
     b.tensors[f"{moe}.e_score_correction_bias"] = torch.zeros(EXPERTS, dtype=torch.float32)
