@@ -125,7 +125,7 @@ def _conversion_seconds(daemon: DaemonProcess, src: Path) -> tuple[str, float]:
     """Convert once without interruption (POST to ready); returns (key, seconds)."""
     with daemon.client() as http:
         t0 = time.monotonic()
-        r = http.post("/v1/checkpoints", json={"source": str(src)})
+        r = http.post("/v1/checkpoints", json={"source": str(src), "target": "fnuz"})
         assert r.status_code == 202, r.text
         key = r.json()["key"]
         for _ in range(3000):

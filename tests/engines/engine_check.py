@@ -418,6 +418,26 @@ def aligned_offsets_ok(sizes: list) -> bool:
     return all(isinstance(s, int) and s % BLOCK == 0 for s in sizes[:-1])
 
 
+def _linear_split(r, g, tp: int, sizes, insize):
+    """(layer class, effective TP, integer per-rank sizes) of a linear group at ``tp``; None (recorded as rejected)
+    when its heads or sizes do not split over ``tp`` ranks. Shared by the vLLM and SGLang TP checks."""
+    klass = g.klass or {"qkv": "QKVParallelLinear", "merged": "MergedColumnParallelLinear",
+                        "column": "ColumnParallelLinear", "row": "RowParallelLinear",
+                        "replicated": "ReplicatedLinear"}[g.kind]
+    if g.kind == "replicated":
+        klass += " (no TP split)"
+    eff_tp = 1 if g.kind == "replicated" else tp
+    if g.kind == "qkv" and g.heads and g.heads[0] % tp:
+        r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
+              f"num_attention_heads {g.heads[0]} not divisible by tp {tp}")
+        return None
+    if any(not float(s).is_integer() for s in sizes) or not float(insize).is_integer():
+        r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
+              f"sizes {_fmt_sizes(sizes)} x {insize} not divisible by tp")
+        return None
+    return klass, eff_tp, [int(s) for s in sizes]
+
+
 def _fmt_sizes(sizes: list) -> str:
     return "/".join(str(int(s)) if float(s).is_integer() else f"{s:.1f}" for s in sizes)
 
@@ -1012,21 +1032,10 @@ class VllmCheck:
                     except ValueError as e:
                         r.add(f"tp={tp}", g.prefix, "FusedMoE", "rejected", "loads", False, f"{what}: {_short(e, 90)}")
                     continue
-                klass = g.klass or {"qkv": "QKVParallelLinear", "merged": "MergedColumnParallelLinear",
-                                    "column": "ColumnParallelLinear", "row": "RowParallelLinear",
-                                    "replicated": "ReplicatedLinear"}[g.kind]
-                if g.kind == "replicated":
-                    klass += " (no TP split)"
-                eff_tp = 1 if g.kind == "replicated" else tp
-                if g.kind == "qkv" and g.heads and g.heads[0] % tp:
-                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
-                          f"num_attention_heads {g.heads[0]} not divisible by tp {tp}")
+                split = _linear_split(r, g, tp, sizes, insize)
+                if split is None:
                     continue
-                if any(not float(s).is_integer() for s in sizes) or not float(insize).is_integer():
-                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
-                          f"sizes {_fmt_sizes(sizes)} x {insize} not divisible by tp")
-                    continue
-                sizes = [int(s) for s in sizes]
+                klass, eff_tp, sizes = split
                 layer = SimpleNamespace(tp_size=eff_tp, prefix=g.prefix,
                                         quant_config=SimpleNamespace(weight_block_size=block),
                                         output_partition_sizes=sizes)
@@ -1411,21 +1420,10 @@ class SglangCheck(VllmCheck):
                     r.add(f"tp={tp}", g.prefix, "FusedMoE", "loads" if ok else "rejected", "loads", ok,
                           what + ("" if ok else f": not a multiple of {block[0]} (Fp8MoEMethod.create_weights)"))
                     continue
-                klass = g.klass or {"qkv": "QKVParallelLinear", "merged": "MergedColumnParallelLinear",
-                                    "column": "ColumnParallelLinear", "row": "RowParallelLinear",
-                                    "replicated": "ReplicatedLinear"}[g.kind]
-                if g.kind == "replicated":
-                    klass += " (no TP split)"
-                eff_tp = 1 if g.kind == "replicated" else tp
-                if g.kind == "qkv" and g.heads and g.heads[0] % tp:
-                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
-                          f"num_attention_heads {g.heads[0]} not divisible by tp {tp}")
+                split = _linear_split(r, g, tp, sizes, insize)
+                if split is None:
                     continue
-                if any(not float(s).is_integer() for s in sizes) or not float(insize).is_integer():
-                    r.add(f"tp={tp}", g.prefix, klass, "rejected", "loads", False,
-                          f"sizes {_fmt_sizes(sizes)} x {insize} not divisible by tp")
-                    continue
-                sizes = [int(s) for s in sizes]
+                klass, eff_tp, sizes = split
                 layer = SimpleNamespace(tp_group=SimpleNamespace(world_size=eff_tp))
                 out_global = sum(sizes) * eff_tp if g.kind != "row" else sum(sizes)
                 in_global = int(insize) * eff_tp if g.kind == "row" else int(insize)

@@ -331,7 +331,7 @@ def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
     file of it (as for a conversion; nothing is hashed)."""
     try:
         d.policy.check_allowed(source)
-        with d.cache.open_source(source) as tree:
+        with d.cache.open_source(source) as tree:  # the checks of SourcePolicy.resolve, and the caller's rights
             missing = denied(caller, tree.facts())
             real = tree.real
     except ApiError:

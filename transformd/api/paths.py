@@ -11,6 +11,7 @@ only, so a symlink swapped after the check cannot redirect a read.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import re
 from collections.abc import Iterable
 
@@ -61,6 +62,22 @@ class SourcePolicy:
                 f"source {source!r} is not an absolute path; give the checkpoint directory's full path",
             )
         return source
+
+    def resolve(self, source: str) -> Path:
+        """Blocking: the real directory ``source`` leads to, checked as a conversion opens it (every file and
+        directory of it, at open time, inside the roots); raises :class:`ApiError` (403 outside the roots, without
+        saying whether the outside path exists)."""
+        from ..cache.securefs import open_source
+        from .errors import error_for_exception
+
+        self.check_allowed(source)
+        try:
+            with open_source(source, self.roots) as tree:
+                return Path(tree.real)
+        except ApiError:
+            raise
+        except Exception as e:
+            raise error_for_exception(e) from e
 
     def check_allowed(self, source: str) -> str:
         """``source`` if it may be asked for at all (syntax, some root configured); raises :class:`ApiError`.

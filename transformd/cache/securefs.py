@@ -200,7 +200,9 @@ class SourceTree:
 def _outside(shown: str, roots: Sequence[str]) -> OutsideRootsError:
     return OutsideRootsError(
         f"{shown} is outside the allowed roots ({', '.join(roots) or '(none)'}); the daemon reads nothing "
-        "outside them (symlinks included): move or link the checkpoint under one of them"
+        "outside them, and symlinks are resolved first, so a symlink under a root that points outside is refused "
+        "too: copy or move the checkpoint's files themselves under an allowed root, or restart the daemon with "
+        "--allow-root naming the directory where they really are (or add it to TRANSFORMD_ALLOW_ROOTS)"
     )
 
 
