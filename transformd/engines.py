@@ -27,12 +27,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-#: Output tile edge.
-BLOCK = 128
+from .quant_config import FP8_DTYPES
+from .quant_config import TILE as BLOCK
+
 #: Tensor-parallel sizes the readiness report checks by default.
 TP_SIZES = (1, 2, 4, 8)
-#: safetensors dtypes of FP8 weights.
-FP8_DTYPES = ("F8_E4M3", "F8_E4M3FNUZ")
 
 _NUMBERED = re.compile(r"\.\d+\.")
 
