@@ -178,7 +178,7 @@ def minimax(root: Path, seed: int = 0, *, arch: str = "MiniMaxM2ForCausalLM") ->
         b.mx(f"{moe}.shared_experts.{proj}.weight", f"{moe}.shared_experts.{proj}.weight_scale_inv", shape)
     qc = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
           "ignored_layers": ["lm_head", f"{moe}.gate"]}
-    return b.write(root, _base_config(arch, "minimax_m2", qc, intermediate_size=INTER))
+    return b.write(root, _base_config(arch, "minimax_m2", qc, intermediate_size=INTER, rotary_dim=HEAD_DIM))
 
 
 def fused(root: Path, seed: int = 0, *, arch: str = "HYV4ForCausalLM") -> Path:
