@@ -5,7 +5,7 @@ Each producer writes MXFP8 its own way (shared/DESIGN.md, the engine-correctness
 | layout | tensors | config |
 |---|---|---|
 | ``modelopt`` | experts-only recipe: ``X.weight`` F8_E4M3 + ``X.weight_scale`` U8, per-expert 2-D; attention and router BF16; ``k_scale``/``v_scale`` F32 | ``quant_method: modelopt`` + ``hf_quant_config.json``, exclusions as globs (``model.layers.*.self_attn*``) |
-| ``minimax`` | ``block_sparse_moe.experts.E.w1/w2/w3`` + ``weight_scale_inv`` F8_E8M0, shared experts, F32 router gate and ``e_score_correction_bias`` | ``quant_method: mxfp8``, ``weight_block_size: [1, 32]``, exact ``ignored_layers`` |
+| ``minimax`` | ``block_sparse_moe.experts.E.w1/w2/w3`` + ``weight_scale_inv`` F8_E8M0, F32 router gate (M3: shared experts and ``e_score_correction_bias``) | ``quant_method: mxfp8``, ``weight_block_size: [1, 32]``, exact ``ignored_layers`` |
 | ``fused`` | HF-v5 fused experts ``mlp.experts.gate_up_proj`` [E, 2I, H] + ``gate_up_proj_scale_inv`` U8 (no ``.weight``) | ``mxfp8`` form |
 | ``compressed_tensors`` | ``weight`` + ``weight_scale`` U8 | ``config_groups``, ``ignore`` with ``re:`` patterns |
 | ``quark`` | ``weight`` + ``weight_scale`` U8 (``per_group``) | ``quant_method: quark``, ``global_quant_config``, ``exclude`` |
@@ -165,20 +165,27 @@ def modelopt(root: Path, seed: int = 0) -> Path:
 
 
 def minimax(root: Path, seed: int = 0, *, arch: str = "MiniMaxM2ForCausalLM") -> Path:
-    """MiniMax-style MXFP8: w1/w2/w3 experts, F8_E8M0 weight_scale_inv, F32 router, shared experts."""
+    """MiniMax-style MXFP8: w1/w2/w3 experts, F8_E8M0 weight_scale_inv, F32 router; MiniMax-M3 (``arch``
+    ``MiniMaxM3...``) adds shared experts and ``e_score_correction_bias``."""
+    m3 = "MiniMaxM3" in arch
     b = _Builder(seed, scale_dtype=torch.float8_e8m0fnu)
     _embeddings(b)
     p = "model.layers.0"
+    b.norm(f"{p}.self_attn.q_norm.weight", HIDDEN)  # MiniMax normalises q and k over all heads at once
+    b.norm(f"{p}.self_attn.k_norm.weight", HEAD_DIM)
     _attention(b, p, mx=True, scale="weight_scale_inv", qk_norm=False)
     moe = f"{p}.block_sparse_moe"
     b.f32(f"{moe}.gate.weight", (EXPERTS, HIDDEN))
-    b.tensors[f"{moe}.e_score_correction_bias"] = torch.zeros(EXPERTS, dtype=torch.float32)
     _per_expert(b, f"{moe}.experts", ("w1", "w3", "w2"), "weight_scale_inv")
-    for proj, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)), ("down_proj", (HIDDEN, INTER))):
-        b.mx(f"{moe}.shared_experts.{proj}.weight", f"{moe}.shared_experts.{proj}.weight_scale_inv", shape)
+    if m3:
+        b.tensors[f"{moe}.e_score_correction_bias"] = torch.zeros(EXPERTS, dtype=torch.float32)
+        for proj, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)), ("down_proj", (HIDDEN, INTER))):
+            b.mx(f"{moe}.shared_experts.{proj}.weight", f"{moe}.shared_experts.{proj}.weight_scale_inv", shape)
     qc = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
           "ignored_layers": ["lm_head", f"{moe}.gate"]}
-    return b.write(root, _base_config(arch, "minimax_m2", qc, intermediate_size=INTER, rotary_dim=HEAD_DIM))
+    extra = {"intermediate_size": INTER, "rotary_dim": HEAD_DIM, "scoring_func": "sigmoid",
+             "max_position_embeddings": 4096}
+    return b.write(root, _base_config(arch, "minimax_m3" if m3 else "minimax_m2", qc, **extra))
 
 
 def fused(root: Path, seed: int = 0, *, arch: str = "HYV4ForCausalLM") -> Path:
