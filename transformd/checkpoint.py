@@ -313,10 +313,9 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
                 "FP8 without an error), so every MXFP8 weight must be selected",
                 file=src,
             )
-    selected = pairs
-    for pair in selected:
+    for pair in pairs:
         _check_pair(src, pair, tensors)
-    shards = tuple(_plan_shard(name, headers[name], selected) for name in shard_names)
+    shards = tuple(_plan_shard(name, headers[name], pairs) for name in shard_names)
     skip = {CONFIG_NAME, HF_QUANT_NAME, INDEX_NAME, *shard_names}
     other_files = list(_other_files(src, skip))
     # Weights the index does not reference (e.g. a stale model.safetensors next to an index) are not converted;
@@ -328,7 +327,7 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
         hf_quant_config=hf_quant,
         index=index,
         shards=shards,
-        selected=tuple(selected),
+        selected=tuple(pairs),
         select=select,
         other_files=tuple(f for f in other_files if f not in left_out),
         left_out=tuple(left_out),

@@ -312,8 +312,8 @@ def _mixed_precision_problems(m: _Model) -> list[str]:
                 problems.append(f"{parent}: {'/'.join(present)} (merged into {fused}) are partly FP8, partly not")
     moe: dict[str, set[bool]] = {}
     for module in [*m.fp8, *m.unquantized]:
-        head, sep, _ = module.partition(".experts.")
-        if sep and ".shared_experts" not in head + sep:
+        head, sep, _ = module.partition(".experts.")  # ".shared_experts." does not contain ".experts."
+        if sep:
             moe.setdefault(head + ".experts", set()).add(module in m.fp8)
     problems += [f"{layer}: some experts are FP8 and some are not" for layer, kinds in sorted(moe.items()) if len(kinds) > 1]
     return problems
