@@ -193,9 +193,11 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
     it; without, a warning for each engine that could not load it at any tensor-parallel size."""
     if engine is not None:
         print(f"transformd: target {target}: {why}", file=sys.stderr)
+    from .engines import readiness_line
+
     for name, r in report.items():
         if engine == name:
-            said = f"loads at TP {','.join(map(str, r.loads_at))}"
+            said = readiness_line(r.loads_at, r.problems)
             print(f"transformd: {name}: {said}" + (f" (not at others: {r.problems[0]})" if r.problems else ""),
                   file=sys.stderr)
         elif engine is None and not r.loads:
@@ -322,10 +324,11 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _run_inspect(args: argparse.Namespace) -> int:
     if args.out is None:
         from .checkpoint import readiness_of_dir
+        from .engines import readiness_line
 
         report = readiness_of_dir(args.src)
         for name, r in report.items():
-            print(f"{name}: " + (f"loads at TP {','.join(map(str, r.loads_at))}" if r.loads else "does not load"))
+            print(f"{name}: {readiness_line(r.loads_at, r.problems)}")
             for line in [*r.problems, *(f"warning: {w}" for w in r.warnings)]:
                 print(f"  {line}")
         print(args.src)

@@ -399,3 +399,14 @@ def _moe_problems(engine: Engine, layer: str, leaves: dict[str, tuple[int, ...]]
             note = " (vLLM's Triton MoE may refine the block, other backends refuse)"
         return [f"{layer}: MoE intermediate size per rank {per_rank} (= {inter} / {tp}) is not a multiple of {BLOCK}{note}"]
     return []
+
+
+def readiness_line(loads_at: Sequence[int], problems: Sequence[str]) -> str:
+    """For people, one engine's readiness: ``loads at TP 1,2``, or ``does not load: <its first problem>``.
+
+    Takes the fields, so a report read back from the API's JSON prints the same as one computed here.
+    """
+    if loads_at:
+        return f"loads at TP {','.join(map(str, loads_at))}"
+    return f"does not load: {problems[0]}" if problems else "does not load"
+

@@ -77,6 +77,12 @@ class Daemon:
     #: Engine readiness of published entries, by key (entries never change once published).
     readiness: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
+    #: uids that passed the read check for a key (a POST of a source they could read): key -> uids
+    readers: dict[str, set[int]] = dataclasses.field(default_factory=dict)
+    #: the uid whose request started the conversion of a key (it may delete the entry): key -> uid
+    creators: dict[str, int] = dataclasses.field(default_factory=dict)
+    _health_limiter: anyio.CapacityLimiter | None = None
+
     def entry_readiness(self, key: str, path: Path) -> dict[str, Any] | None:
         """Blocking: readiness of a published entry (from its config and headers), remembered per key; None when
         the entry is no block-FP8 checkpoint directory (a test converter's output): readiness is a report, never
@@ -92,11 +98,6 @@ class Daemon:
                 self.readiness.clear()
             self.readiness[key] = found
         return found
-    #: uids that passed the read check for a key (a POST of a source they could read): key -> uids
-    readers: dict[str, set[int]] = dataclasses.field(default_factory=dict)
-    #: the uid whose request started the conversion of a key (it may delete the entry): key -> uid
-    creators: dict[str, int] = dataclasses.field(default_factory=dict)
-    _health_limiter: anyio.CapacityLimiter | None = None
 
     def caller(self, request: Request) -> Caller:
         """The request's caller: the unix peer's credentials, or the configured identity of TCP token holders."""
@@ -339,13 +340,18 @@ def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
     except Exception as e:
         raise error_for_exception(e) from e
     if missing is not None:
-        raise ApiError(
-            403,
-            "permission_denied",
-            f"{caller.describe()} may not read source {source} ({missing} is missing); the daemon serves a source "
-            "only to callers who could read every file of it themselves",
-        )
+        raise _unreadable(caller, source, missing)
     return real
+
+
+def _unreadable(caller: Caller, source: str, missing: str) -> ApiError:
+    """403 for a source ``caller`` could not read itself (``missing``: the right it lacks, and where)."""
+    return ApiError(
+        403,
+        "permission_denied",
+        f"{caller.describe()} may not read source {source} ({missing} is missing); the daemon converts and serves a "
+        "source only for callers who could read every file of it themselves",
+    )
 
 
 def _check_engine(report: dict[str, Any] | None, engine: str | None) -> None:
@@ -397,14 +403,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             return _json(passthrough_view(real, reason))
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
         ident = await service.identify(source)
-        why = denied(caller, ident.access) if ident.access is not None else None
-        if why is not None:
-            raise ApiError(
-                403,
-                "permission_denied",
-                f"{caller.describe()} may not read source {source} ({why} is missing); the daemon converts and "
-                "serves a source only for callers who could read every file of it themselves",
-            )
+        missing = denied(caller, ident.access) if ident.access is not None else None
+        if missing is not None:
+            raise _unreadable(caller, source, missing)
         key = cache_key(ident, recipe)
         d.grant(key, caller)
         job = service.job(key)

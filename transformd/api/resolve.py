@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ..engines import TARGET_CHOICES, Engine
+from ..engines import TARGET_CHOICES, Engine, readiness_line
 from .client import (
     DEFAULT_RECONNECT_S,
     ENV_SOCKET,
@@ -169,8 +169,7 @@ def _say_target_and_readiness(body: dict[str, Any], engine: str | None) -> None:
         print(f"transformd: target {recipe.get('target', 'none')}: {body['target_reason']}", file=sys.stderr)
     for name, r in (body.get("readiness") or {}).items():
         if engine in (None, name) and isinstance(r, dict):
-            tps = r.get("loads_at") or []
-            said = f"loads at TP {','.join(map(str, tps))}" if tps else "does not load: " + "; ".join(r.get("problems", [])[:1])
+            said = readiness_line(r.get("loads_at") or [], r.get("problems") or [])
             print(f"transformd: {name}: {said}", file=sys.stderr)
 
 
