@@ -10,7 +10,7 @@ import time
 import pytest
 
 from transformd.cache import Cache, CacheFullError, EntryLeasedError, EntryNotFoundError
-from transformd.cache._fs import write_json_atomic
+from transformd._durable import write_json_atomic
 from transformd.cache.lock import process_identity
 from transformd.cache.store import ENTRY_OVERHEAD_BYTES
 from transformd.cache.testing import CopyConverter, write_source

@@ -279,7 +279,7 @@ def test_wait_timeout(tmp_path):
 
 def test_staging_of_another_host_or_container_is_judged_by_its_lock(tmp_path):
     """A pid from another host/PID namespace means nothing here: its key's flock decides."""
-    from transformd.cache._fs import write_json_atomic
+    from transformd._durable import write_json_atomic
     from transformd.cache.lock import FileLock, process_identity
 
     src = write_source(tmp_path / "m")

@@ -267,7 +267,7 @@ def _output_tensor_infos(out: Path) -> dict:
 
 def _record_rewritten_shards(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Names of the shards the converter writes through SafetensorsWriter (rather than copying whole)."""
-    import transformd.checkpoint as checkpoint
+    from transformd.checkpoint import pipeline as checkpoint
 
     names: list[str] = []
     real = checkpoint.SafetensorsWriter

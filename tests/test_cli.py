@@ -231,9 +231,10 @@ def test_convert_out_checks_free_space_first(tmp_path: Path, capsys, monkeypatch
     """Where no small file system can be mounted: too little free space (as statvfs reports it) is refused before
     anything is written, naming --out and the sizes (tests/test_faults_storage.py has the real tmpfs)."""
     from transformd import checkpoint
+    from transformd.checkpoint import convert as checkpoint_convert
 
     src = write_checkpoint(tmp_path / "src")
-    monkeypatch.setattr(checkpoint, "_free_bytes", lambda path: 4096)
+    monkeypatch.setattr(checkpoint_convert, "_free_bytes", lambda path: 4096)
     code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu")
     assert code == 1 and stdout == [] and len(stderr) == 1, stderr
     expected = f"transformd: error: not enough free space for the output directory {tmp_path / 'out'}"

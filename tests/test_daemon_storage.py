@@ -42,7 +42,7 @@ from transformd.api.settings import Settings
 from transformd.api.shards import TransformdShardConverter
 from transformd.api.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.cache import Cache
-from transformd.cache._fs import rmtree_force
+from transformd._durable import rmtree_force
 from transformd.loader import load_from_daemon
 from transformd.sample import write_sample_checkpoint
 

@@ -135,7 +135,8 @@ def test_convert_checkpoint_overwrite_publishes_durably(tmp_path, durability) ->
 
 
 def test_cache_publish_fsyncs_the_entry_and_its_manifest_before_the_rename(tmp_path, durability) -> None:
-    """The converter here (CopyConverter) fsyncs nothing itself: the cache's seal and publish must."""
+    """The converter fsyncs its files (CopyConverter does, as the Converter contract asks); the cache fsyncs the
+    manifest and every directory, and renames once."""
     src = write_source(tmp_path / "src", {"config.json": b"{}", "model.safetensors": b"\1" * 5000,
                                           "sub/tokenizer.json": b'{"v": 1}'})
     cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
@@ -144,3 +145,39 @@ def test_cache_publish_fsyncs_the_entry_and_its_manifest_before_the_rename(tmp_p
     names = {str(p.relative_to(published)) for p in published.rglob("*")}
     assert {"manifest.json", "checkpoint/model.safetensors", "checkpoint/sub/tokenizer.json"} <= names
     assert assert_published_durably(durability, published) == len(names)
+
+
+def _tree_inodes(root: Path) -> dict[tuple[int, int], str]:
+    return {(st.st_dev, st.st_ino): str(p.relative_to(root))
+            for p in root.rglob("*") if p.is_file() for st in [os.stat(p)]}
+
+
+def assert_one_fsync_per_file_and_one_rename(log: DurabilityLog, published: Path) -> None:
+    """Every file of the tree fsynced exactly once; the tree renamed exactly once, into ``published``."""
+    files = _tree_inodes(published)
+    counts = {name: 0 for name in files.values()}
+    for e in log.events:
+        if e.kind == "fsync" and e.inode in files:
+            counts[files[e.inode]] += 1
+    assert counts and all(n == 1 for n in counts.values()), f"fsyncs per file (want one each): {counts}"
+    # renames other than the atomic replacement of small JSON records (lease, status: ".tmp.<name>...")
+    moves = [(e.src, e.dst) for e in log.events if e.kind == "rename" and not Path(e.src).name.startswith(".tmp.")]
+    assert len(moves) == 1 and os.path.realpath(moves[0][1]) == os.path.realpath(published), moves
+
+
+@pytest.mark.parametrize("how", ["convert --out", "cache"])
+def test_one_staging_directory_one_fsync_per_file_one_rename(tmp_path, durability, how) -> None:
+    """The real converter: its pipeline's syncer fsyncs each shard, the copies and JSON files fsync themselves,
+    and neither the cache nor ``convert_checkpoint`` fsyncs a file again or stages twice."""
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    (src / "tokenizer.json").write_text("{}")
+    if how == "cache":
+        from transformd.cache import TransformdConverter
+
+        cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=TransformdConverter(device="cpu"))
+        published = cache.entries_dir / cache.get_or_convert(src).key
+    else:
+        published = tmp_path / "out"
+        convert_checkpoint(src, published, device="cpu")
+    assert_one_fsync_per_file_and_one_rename(durability, published)
+    assert_published_durably(durability, published)

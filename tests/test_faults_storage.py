@@ -32,7 +32,7 @@ from transformd.cache import (
     EntryNotFoundError,
     TransformdConverter,
 )
-from transformd import checkpoint as checkpoint_mod
+from transformd.checkpoint import convert as checkpoint_mod
 from transformd.checkpoint import OutputError, convert_checkpoint
 from transformd.sample import write_sample_checkpoint
 

@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from transformd import checkpoint
+from transformd.checkpoint import convert as checkpoint_convert
+from transformd.checkpoint import pipeline
 from transformd.checkpoint import CheckpointError, Progress, convert_checkpoint, plan_conversion
 from transformd.formats import MxFormatError, Target
 from transformd.reference import convert_reference
@@ -116,10 +117,10 @@ def test_kernel_converter_path_byte_identical(tmp_path: Path, monkeypatch) -> No
     made: list[object] = []
 
     def kernel_on_cpu(device, slot_bytes, target, scale_mode):
-        made.append(checkpoint._KernelConverter(torch.device("cpu"), slot_bytes, target, scale_mode))
+        made.append(pipeline._KernelConverter(torch.device("cpu"), slot_bytes, target, scale_mode))
         return made[-1]
 
-    monkeypatch.setattr(checkpoint, "_make_converter", kernel_on_cpu)
+    monkeypatch.setattr(pipeline, "_make_converter", kernel_on_cpu)
     convert_checkpoint(src, tmp_path / "out", device="cpu", chunk_bytes=1)  # 128-row pieces of the 160-row q_proj
     assert made and made[0]._in is None, "device buffers are dropped when the job ends"
     assert_same_shards(tmp_path / "expected", tmp_path / "out")
@@ -130,15 +131,15 @@ def test_several_devices_byte_identical(tmp_path: Path, monkeypatch) -> None:
     src = sample(tmp_path / "src")
     sequential_reference(src, tmp_path / "expected")
     assignments: list[list[list[str]]] = []
-    real_assign = checkpoint._assign_shards
+    real_assign = pipeline._assign_shards
 
     def spy(shards, lanes):
         groups = real_assign(shards, lanes)
         assignments.append([[s.name for s in g] for g in groups])
         return groups
 
-    monkeypatch.setattr(checkpoint, "_conversion_devices", lambda device: [torch.device("cpu")] * 3)
-    monkeypatch.setattr(checkpoint, "_assign_shards", spy)
+    monkeypatch.setattr(checkpoint_convert, "conversion_devices", lambda device: [torch.device("cpu")] * 3)
+    monkeypatch.setattr(pipeline, "_assign_shards", spy)
     seen: list[Progress] = []
     result = convert_checkpoint(src, tmp_path / "out", device="cpu", progress=seen.append,
                                 host_memory_bytes=256 * 1024)
@@ -181,7 +182,7 @@ def _plant_nan_in_middle_shard(src: Path) -> tuple[str, str]:
     return middle.name, info.name
 
 
-@pytest.mark.parametrize("budget", [checkpoint.DEFAULT_HOST_MEMORY_BYTES, 64 * 1024])
+@pytest.mark.parametrize("budget", [pipeline.DEFAULT_HOST_MEMORY_BYTES, 64 * 1024])
 def test_error_in_middle_shard_stops_everything(tmp_path: Path, budget: int) -> None:
     src = sample(tmp_path / "src")
     shard, tensor = _plant_nan_in_middle_shard(src)
@@ -203,14 +204,14 @@ def test_error_in_reader_stops_everything(tmp_path: Path, monkeypatch) -> None:
     src = sample(tmp_path / "src")
     plan = plan_conversion(src)
     middle = plan.shards[len(plan.shards) // 2]
-    real_plan = checkpoint.plan_conversion
+    real_plan = checkpoint_convert.plan_conversion
 
     def plan_then_truncate(*args, **kwargs):
         result = real_plan(*args, **kwargs)
         os.truncate(src / middle.name, middle.header.data_start + 100)
         return result
 
-    monkeypatch.setattr(checkpoint, "plan_conversion", plan_then_truncate)
+    monkeypatch.setattr(checkpoint_convert, "plan_conversion", plan_then_truncate)
     with pytest.raises(CheckpointError, match="bytes early while") as info:
         convert_checkpoint(src, tmp_path / "out", device="cpu")
     assert info.value.file == str(src / middle.name)
@@ -221,7 +222,7 @@ def test_error_in_writer_stops_everything(tmp_path: Path, monkeypatch) -> None:
     """A full disk in the middle shard: the writer's OSError (errno intact, for the cache) comes out."""
     src = sample(tmp_path / "src")
     middle = plan_conversion(src).shards[2].name
-    real = checkpoint.SafetensorsWriter
+    real = pipeline.SafetensorsWriter
 
     class FullDisk(real):
         def write(self, name, data):
@@ -229,7 +230,7 @@ def test_error_in_writer_stops_everything(tmp_path: Path, monkeypatch) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device")
             super().write(name, data)
 
-    monkeypatch.setattr(checkpoint, "SafetensorsWriter", FullDisk)
+    monkeypatch.setattr(pipeline, "SafetensorsWriter", FullDisk)
     with pytest.raises(OSError) as info:
         convert_checkpoint(src, tmp_path / "out", device="cpu")
     assert info.value.errno == errno.ENOSPC
@@ -246,8 +247,8 @@ def test_error_stops_a_slow_writer_promptly(tmp_path: Path, monkeypatch) -> None
     _plant_nan_in_middle_shard(src)
     failed_at: list[float] = []
     late_writes: list[float] = []
-    real_convert = checkpoint._ReferenceConverter.__call__
-    real_write = checkpoint.SafetensorsWriter.write
+    real_convert = pipeline._ReferenceConverter.__call__
+    real_write = pipeline.SafetensorsWriter.write
 
     def convert(self, codes, scales, out):
         try:
@@ -262,8 +263,8 @@ def test_error_stops_a_slow_writer_promptly(tmp_path: Path, monkeypatch) -> None
         time.sleep(0.05)
         real_write(self, name, data)
 
-    monkeypatch.setattr(checkpoint._ReferenceConverter, "__call__", convert)
-    monkeypatch.setattr(checkpoint.SafetensorsWriter, "write", slow_write)
+    monkeypatch.setattr(pipeline._ReferenceConverter, "__call__", convert)
+    monkeypatch.setattr(pipeline.SafetensorsWriter, "write", slow_write)
     started = time.monotonic()
     with pytest.raises(MxFormatError):
         convert_checkpoint(src, tmp_path / "out", device="cpu")
@@ -336,32 +337,32 @@ def test_host_memory_bounded_by_budget(tmp_path: Path) -> None:
     assert tight["read"] >= total
     assert tight["buffers"] <= budget, tight
     assert tight["growth"] <= budget + slack, f"peak RSS grew by {tight['growth'] / 2**20:.1f} MiB"
-    control = _peak_rss_growth(warm, src, tmp_path / "control", checkpoint.DEFAULT_HOST_MEMORY_BYTES)
+    control = _peak_rss_growth(warm, src, tmp_path / "control", pipeline.DEFAULT_HOST_MEMORY_BYTES)
     assert control["growth"] > budget + slack, f"control grew by {control['growth'] / 2**20:.1f} MiB only"
 
 
 def test_buffer_sizes_fit_the_budget() -> None:
     pairs = [SimpleNamespace(weight=SimpleNamespace(shape=shape)) for shape in [(256, 7168, 2048), (7168, 7168)]]
     for budget in (64 << 20, 300 << 20, 2 << 30, 64 << 30):
-        for pinned, work in ((True, 0), (False, checkpoint.CPU_WORK_FACTOR)):
-            sizes = checkpoint._size_buffers(pairs, budget, checkpoint.DEFAULT_CHUNK_BYTES, pinned=pinned,
+        for pinned, work in ((True, 0), (False, pipeline.CPU_WORK_FACTOR)):
+            sizes = pipeline._size_buffers(pairs, budget, pipeline.DEFAULT_CHUNK_BYTES, pinned=pinned,
                                              work_factor=work)
-            assert sizes.bound_bytes <= budget and sizes.slots >= checkpoint.MIN_SLOTS, (budget, pinned, sizes)
-            assert sizes.piece_bytes <= checkpoint.DEFAULT_CHUNK_BYTES
+            assert sizes.bound_bytes <= budget and sizes.slots >= pipeline.MIN_SLOTS, (budget, pinned, sizes)
+            assert sizes.piece_bytes <= pipeline.DEFAULT_CHUNK_BYTES
             assert not pinned or sizes.slot_bytes & (sizes.slot_bytes - 1) == 0, "pinned slots: powers of two"
-    small = checkpoint._size_buffers([SimpleNamespace(weight=SimpleNamespace(shape=(64, 96)))], 2 << 30,
-                                     checkpoint.DEFAULT_CHUNK_BYTES, pinned=False, work_factor=0)
+    small = pipeline._size_buffers([SimpleNamespace(weight=SimpleNamespace(shape=(64, 96)))], 2 << 30,
+                                     pipeline.DEFAULT_CHUNK_BYTES, pinned=False, work_factor=0)
     assert small.slot_bytes < 8192, "slots no larger than the largest piece needs"
     # Below one 128-row piece of the widest weight: exceeded by that much, not refused.
-    tiny = checkpoint._size_buffers(pairs, 1 << 20, 1, pinned=False, work_factor=0)
-    assert tiny.slot_bytes >= 128 * 7168 and tiny.slots == checkpoint.MIN_SLOTS
+    tiny = pipeline._size_buffers(pairs, 1 << 20, 1, pinned=False, work_factor=0)
+    assert tiny.slot_bytes >= 128 * 7168 and tiny.slots == pipeline.MIN_SLOTS
 
 
 @pytest.mark.parametrize("shape", [(320, 96), (3, 96, 64), (5, 300, 256), (2, 1000, 32), (0, 64, 32), (0, 32)])
 @pytest.mark.parametrize("piece", [1, 1000, 70_000, 1 << 30])
 def test_units_tile_the_weight(shape: tuple[int, ...], piece: int) -> None:
     """Pieces cover the weight's codes exactly, in order, cut at expert or 128-row boundaries."""
-    units = checkpoint._units(shape, piece)
+    units = pipeline._units(shape, piece)
     assert units
     pos = 0
     for u in units:
@@ -379,14 +380,14 @@ def test_conversion_devices_spread_over_visible_gpus(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cuda = [torch.device("cuda", i) for i in range(4)]
-    assert checkpoint._conversion_devices("auto") == cuda
-    assert checkpoint._conversion_devices(None) == cuda
-    assert checkpoint._conversion_devices("cuda") == cuda
-    assert checkpoint._conversion_devices(torch.device("cuda")) == cuda
-    assert checkpoint._conversion_devices("cuda:2") == [torch.device("cuda", 2)], "an index asks for that GPU"
-    assert checkpoint._conversion_devices("cpu") == [torch.device("cpu")]
+    assert pipeline.conversion_devices("auto") == cuda
+    assert pipeline.conversion_devices(None) == cuda
+    assert pipeline.conversion_devices("cuda") == cuda
+    assert pipeline.conversion_devices(torch.device("cuda")) == cuda
+    assert pipeline.conversion_devices("cuda:2") == [torch.device("cuda", 2)], "an index asks for that GPU"
+    assert pipeline.conversion_devices("cpu") == [torch.device("cpu")]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert checkpoint._conversion_devices("auto") == [torch.device("cuda")]
+    assert pipeline.conversion_devices("auto") == [torch.device("cuda")]
 
 
 def _fake_shards(sizes: list[int]) -> list[SimpleNamespace]:
@@ -399,7 +400,7 @@ def _fake_shards(sizes: list[int]) -> list[SimpleNamespace]:
 )
 def test_assign_shards_balances_and_keeps_order(sizes: list[int], lanes: int) -> None:
     shards = _fake_shards(sizes)
-    groups = checkpoint._assign_shards(shards, lanes)
+    groups = pipeline._assign_shards(shards, lanes)
     assert len(groups) == lanes
     names = [s.name for g in groups for s in g]
     assert sorted(names) == sorted(s.name for s in shards) and len(names) == len(set(names)), "each shard once"
@@ -412,7 +413,7 @@ def test_assign_shards_balances_and_keeps_order(sizes: list[int], lanes: int) ->
 
 def test_assign_shards_of_a_real_plan(tmp_path: Path) -> None:
     plan = plan_conversion(sample(tmp_path / "src"))
-    groups = checkpoint._assign_shards(plan.shards, 2)
+    groups = pipeline._assign_shards(plan.shards, 2)
     assert all(groups) and sorted(s.name for g in groups for s in g) == [s.name for s in plan.shards]
     assert read_header(plan.src / groups[0][0].name).file_size > 0
 
@@ -447,4 +448,4 @@ def test_shard_order_reorders_shards_and_reports_final_files(tmp_path: Path) -> 
     expected = tmp_path / "expected"
     convert_checkpoint(src, expected, device="cpu")
     assert_same_shards(expected, out)
-    assert isinstance(order, checkpoint.ShardOrder)
+    assert isinstance(order, pipeline.ShardOrder)

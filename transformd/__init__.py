@@ -2,28 +2,65 @@
 
 Tensors: :func:`convert_weight` (validates, then the fused kernel on a GPU or the
 PyTorch reference on the CPU). Checkpoints: :func:`convert_checkpoint`. The cache
-is :mod:`transformd.cache`, the daemon and its client :mod:`transformd.api`.
+is :mod:`transformd.cache`, the daemon :mod:`transformd.daemon`, its client
+:mod:`transformd.client` (torch-free: what engines import).
+
+Importing the package imports nothing heavy: each name below is loaded on first use, so
+``import transformd.client`` costs Python and httpx, not torch.
 """
 
-from .checkpoint import CheckpointError, ConversionResult, convert_checkpoint
-from .convert import convert_weight, resolve_device
-from .formats import FORMAT_VERSION, MxFormatError, ScaleMode, Target, validate_pair
-from .reference import convert_reference, dequantize_block, dequantize_mx
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+from .errors import CheckpointError, MxFormatError, TransformdError
+from .formats import FORMAT_VERSION, ScaleMode, Target
+
+#: name -> module that defines it (imported on first access).
+_LAZY = {
+    "ConversionResult": ".checkpoint",
+    "convert_checkpoint": ".checkpoint",
+    "convert_weight": ".convert",
+    "resolve_device": ".convert",
+    "validate_pair": ".mx",
+    "convert_reference": ".reference",
+    "dequantize_block": ".reference",
+    "dequantize_mx": ".reference",
+    "TransformdClient": ".client",
+    "load_tensors": ".loader",
+}
 
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
-    "ConversionResult",
     "MxFormatError",
     "ScaleMode",
     "Target",
-    "convert_checkpoint",
-    "convert_reference",
-    "convert_weight",
-    "dequantize_block",
-    "dequantize_mx",
-    "resolve_device",
-    "validate_pair",
+    "TransformdError",
+    "__version__",
+    *sorted(_LAZY),
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transformd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:
+    from .checkpoint import ConversionResult, convert_checkpoint
+    from .client import TransformdClient
+    from .convert import convert_weight, resolve_device
+    from .loader import load_tensors
+    from .mx import validate_pair
+    from .reference import convert_reference, dequantize_block, dequantize_mx

@@ -9,17 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .formats import (
-    MxFormatError,
-    ScaleMode,
-    Target,
-    as_codes,
-    check_pair_shapes,
-    expand_row_blocks,
-    find_value_problem,
-    infer_row_block,
-)
+from .formats import MxFormatError, ScaleMode, Target, infer_row_block
 from .kernels import convert_triton
+from .mx import as_codes, check_pair_shapes, expand_row_blocks, find_value_problem
 from .reference import convert_reference
 
 #: Largest slice of a weight (input code bytes) sent to the GPU at once.

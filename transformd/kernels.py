@@ -36,17 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import (
-    MX_BLOCK,
-    TILE,
-    MxFormatError,
-    ScaleMode,
-    Target,
-    as_codes,
-    check_pair_shapes,
-    find_value_problem,
-    tile_grid,
-)
+from .formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target, tile_grid
+from .mx import as_codes, check_pair_shapes, find_value_problem
 
 STATUS_NAN_CODE = tl.constexpr(1)
 STATUS_NAN_SCALE = tl.constexpr(2)

@@ -82,8 +82,11 @@ class Eta:
         return None if not self.rate else (total - done) / self.rate
 
 
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
+def human_bytes(n: float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; None -> ``"?"``."""
+    if n is None:
+        return "?"
+    n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -11,17 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .formats import (
-    E4M3FN_MAX,
-    MX_BLOCK,
-    TILE,
-    ScaleMode,
-    Target,
-    as_codes,
-    decode_codes,
-    exp2_e8m0,
-    tile_grid,
-)
+from .formats import E4M3FN_MAX, MX_BLOCK, TILE, ScaleMode, Target, tile_grid
+from .mx import as_codes, decode_codes, exp2_e8m0
 
 
 def exp2_int(e: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .formats import ScaleMode, Target, as_codes, expand_row_blocks, infer_row_block
+from .formats import ScaleMode, Target, infer_row_block
+from .mx import as_codes, expand_row_blocks
 from .reference import convert_reference, dequantize_block, dequantize_mx
 from .safetensors_io import read_header
 

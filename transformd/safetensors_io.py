@@ -29,6 +29,8 @@ from typing import BinaryIO
 
 import torch
 
+from .errors import CheckpointError
+
 __all__ = [
     "DTYPE_BITS",
     "MAX_HEADER_BYTES",
@@ -103,22 +105,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 _COPY_CHUNK = 16 * 1024 * 1024
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file or directory is malformed or cannot be converted as asked.
-
-    Like :class:`transformd.formats.MxFormatError`, the message names the file,
-    the tensor and the problem, so an operator can act on it without reading code.
-    """
-
-    def __init__(self, problem: str, *, file: str | os.PathLike[str] | None = None, tensor: str | None = None):
-        self.problem = problem
-        self.file = str(file) if file is not None else None
-        self.tensor = tensor
-        parts = (f"file {self.file}" if self.file else "", f"tensor {tensor}" if tensor else "")
-        where = ", ".join(p for p in parts if p)
-        super().__init__(f"{where}: {problem}" if where else problem)
 
 
 @dataclass(frozen=True)

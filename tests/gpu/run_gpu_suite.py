@@ -47,7 +47,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 #: The device code the record vouches for, relative to the repository: the kernels, their host wrapper and
 #: launch grid, the chunked tensor entry point, the format facts they use, and the reference they are held to.
-GPU_SOURCES = ("transformd/kernels.py", "transformd/convert.py", "transformd/formats.py", "transformd/reference.py")
+GPU_SOURCES = (
+    "transformd/kernels.py", "transformd/convert.py", "transformd/formats.py", "transformd/mx.py", "transformd/reference.py",
+)
 #: Where the record is committed.
 RECORD = REPO / "tests" / "gpu" / "last_run.json"
 RERUN = "python tests/gpu/run_gpu_suite.py --out tests/gpu/last_run.json"

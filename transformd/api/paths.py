@@ -11,9 +11,9 @@ only, so a symlink swapped after the check cannot redirect a read.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import re
 from collections.abc import Iterable
+from pathlib import Path
 
 from .errors import ApiError
 

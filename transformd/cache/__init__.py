@@ -77,7 +77,8 @@ Rules
   ``quarantine/``.
 """
 
-from ._fs import human_bytes, parse_size
+from ..progress import human_bytes
+from .budget import parse_size
 from .errors import (
     CacheError,
     CacheFullError,

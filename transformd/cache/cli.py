@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ._fs import human_bytes
+from ..progress import human_bytes
 from .errors import CacheError
 from .store import Cache, VerifyResult, existing_root
 

@@ -46,7 +46,7 @@ from typing import Any
 import blake3
 
 from ..formats import FORMAT_VERSION, ScaleMode, Target
-from ._fs import read_json, write_json_atomic
+from .._durable import read_json, write_json_atomic
 from .errors import InvalidKeyError, SourceError
 from .securefs import SourceTree, open_source
 

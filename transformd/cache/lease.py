@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._fs import read_json, write_json_atomic
+from .._durable import read_json, write_json_atomic
 from .errors import InvalidKeyError
 from .lock import process_alive
 

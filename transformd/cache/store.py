@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ._fs import (
+from .._durable import (
     free_bytes,
     fs_size_bytes,
     fsync_path,
-    human_bytes,
     is_no_space,
-    parse_size,
     read_json,
     rmtree_force,
     write_json_atomic,
 )
+from ..progress import human_bytes
+from .budget import parse_size
 from .errors import (
     CacheError,
     CacheFullError,
@@ -84,7 +84,8 @@ class Converter(Protocol):
     """Writes the converted checkpoint of ``src`` into ``out``.
 
     ``out`` does not exist yet; the converter creates it as a directory and writes every file of
-    the converted checkpoint into it (it may stage next to ``out`` and rename). It calls
+    the converted checkpoint into it, each fsynced (the cache fsyncs the directories and renames
+    the staging directory that holds ``out``: a converter neither stages nor renames). It calls
     ``progress(update)`` as it goes (any JSON-able object, a dataclass or a dict). Its return
     value (e.g. a ConversionResult) is summarised into the manifest's ``result``. It raises on
     invalid input; the cache removes everything it wrote.
@@ -94,7 +95,7 @@ class Converter(Protocol):
 
 
 class TransformdConverter:
-    """The default converter: :func:`transformd.checkpoint.convert_checkpoint` into ``out``."""
+    """The default converter: :func:`transformd.checkpoint.write_checkpoint` into ``out``."""
 
     def __init__(self, device: str = "auto"):
         self.device = device
@@ -103,16 +104,15 @@ class TransformdConverter:
         self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None], *, shard_order: Any = None
     ) -> Any:
         """``shard_order``: a :class:`transformd.checkpoint.ShardOrder` (the daemon's just-in-time shards)."""
-        from ..checkpoint import convert_checkpoint  # imported late: the cache does not need torch code
+        # imported late: the cache does not need torch code
+        from ..checkpoint import conversion_devices, plan_conversion, write_checkpoint
 
-        return convert_checkpoint(
-            src,
+        return write_checkpoint(
+            plan_conversion(src, select=recipe.select),
             out,
             target=recipe.target,
             scale_mode=recipe.scale_mode,
-            select=recipe.select,
-            device=self.device,
-            overwrite=False,
+            devices=conversion_devices(self.device),
             progress=progress,
             shard_order=shard_order,
         )
@@ -829,7 +829,7 @@ class Cache:
             self._enforce_budget(protect={key})
 
     def _seal(self, out: Path, writer: _StatusWriter) -> tuple[FileRecord, ...]:
-        """Digest, fsync and make read-only every file of ``out``; fsync its directories."""
+        """Digest and make read-only every file of ``out`` (the converter fsynced each); fsync its directories."""
         if not out.is_dir() or out.is_symlink():
             raise CacheError(f"the converter did not create the checkpoint directory {out}")
         files: list[tuple[str, str]] = []
@@ -852,13 +852,7 @@ class Cache:
         def seal_one(item: tuple[str, str]) -> FileRecord:
             rel, p = item
             os.chmod(p, 0o444)
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                size = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-            return FileRecord(rel, size, hash_file(p))
+            return FileRecord(rel, os.stat(p).st_size, hash_file(p))
 
         records = []
         with ThreadPoolExecutor(max_workers=min(4, len(files))) as pool:

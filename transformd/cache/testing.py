@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._durable import copy_file
 from .keys import Recipe, iter_source_files
 
 
@@ -81,12 +81,15 @@ class CopyConverter:
         for done, (rel, path, _) in enumerate(files, 1):
             dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, dest)
+            copy_file(path, dest)  # fsynced: a converter makes its own files durable
             for _ in range(self.steps):
                 progress({"files_done": done, "files_total": len(files)})
                 if self.delay:
                     time.sleep(self.delay / self.steps)
-        (out / "recipe.json").write_text(json.dumps(recipe.as_dict(), sort_keys=True))
+        with open(out / "recipe.json", "x") as f:
+            f.write(json.dumps(recipe.as_dict(), sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())
         return {"files": len(files), "error_report": {"relative_l2": 0.0}}
 
 

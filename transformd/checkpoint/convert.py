@@ -1,0 +1,258 @@
+"""Convert a checkpoint directory: plan, write every file into one directory, publish it.
+
+:func:`write_checkpoint` writes the converted checkpoint into a directory it creates and fsyncs each file once;
+it neither stages nor renames. Its callers publish: :func:`convert_checkpoint` through a staging directory
+beside ``--out`` (:mod:`transformd._durable`), the cache through its own ``staging/`` (:mod:`transformd.cache`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import _durable
+from ..engines import Engine, EngineReadiness
+from ..errors import CheckpointError, OutputError
+from ..formats import ScaleMode, Target
+from ..progress import human_bytes
+from .hf_config import copy_other_files, write_metadata_files
+from .pipeline import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_HOST_MEMORY_BYTES,
+    Progress,
+    Run,
+    ShardOrder,
+    conversion_devices,
+    convert_shards,
+)
+from .plan import ConversionPlan, check_engine, output_bytes, plan_conversion, plan_readiness
+
+__all__ = ["ConversionResult", "OutputError", "convert_checkpoint", "write_checkpoint"]
+
+
+@dataclass
+class ConversionResult:
+    """What :func:`convert_checkpoint` (or :func:`write_checkpoint`) did."""
+
+    out: Path
+    converted: list[str]
+    shards: list[str]
+    left_out: list[str]
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    target: str
+    scale_mode: str
+    device: str
+    #: Peak bytes of the host buffers between the pipeline's stages (see ``host_memory_bytes``).
+    host_buffer_bytes: int = 0
+    #: Per engine, the TP sizes at which it loads the output right, and why not at others (:func:`plan_readiness`).
+    readiness: dict[str, EngineReadiness] = field(default_factory=dict)
+    #: Tensors in the input shards, and their bytes (what progress counts up to).
+    tensors: int = 0
+    data_bytes: int = 0
+
+
+def convert_checkpoint(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    target: Target | str = Target.FNUZ,
+    scale_mode: ScaleMode | str = ScaleMode.EXACT,
+    select: str | None = None,
+    device: str | torch.device | None = "auto",
+    overwrite: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES,
+    shard_order: ShardOrder | None = None,
+    engine: Engine | str | None = None,
+) -> ConversionResult:
+    """Convert the MXFP8 checkpoint directory ``src`` into a block-FP8 checkpoint directory ``out``.
+
+    ``engine`` (vllm, sglang, transformers): refuse, before anything is written, a checkpoint that engine
+    could not load at any tensor-parallel size (see :mod:`transformd.engines`); the result's ``readiness``
+    reports every engine either way.
+
+    Refuses a non-empty ``out`` unless ``overwrite``. Everything is written to a
+    staging directory next to ``out`` and renamed into place at the end; on any
+    error the staging directory is removed and ``out`` is left as it was.
+
+    Reading, converting, writing and fsyncing overlap (a thread each); ``device``
+    ``auto`` or ``cuda`` with several GPUs visible spreads the shards over all of them.
+    ``host_memory_bytes`` bounds the host buffers between the stages (input
+    pieces, converted pieces, and on the CPU the reference's temporaries), split
+    evenly between the GPUs; ``chunk_bytes`` bounds the slice of one weight (whole
+    experts, or blocks of 128 rows) read and converted at once. The bound holds
+    whatever the checkpoint's size; only a budget smaller than a few 128-row blocks
+    of the widest weight is exceeded (by that much). Cached GPU memory and pinned
+    host memory are given back when the conversion ends.
+
+    ``progress`` is called on the calling thread with a :class:`Progress` as each
+    tensor leaves the converter (the writer trails it by at most the buffers).
+
+    ``shard_order`` (see :class:`ShardOrder`) lets a caller change the order of the
+    shards while the conversion runs and learn when each output shard is final, so
+    that a shard can be served before the whole checkpoint is done.
+    """
+    target = Target(target)
+    src, out = Path(src), Path(out)
+    devices = conversion_devices(device)
+    _durable.remove_leftovers(out)
+    _check_out(src, out, overwrite)
+    plan = plan_conversion(src, select=select)
+    check_engine(plan_readiness(plan, target), engine, src)
+    needed = output_bytes(plan, target)
+    _check_free_space(out, needed)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging, staging_lock = _durable.make_staging(out)
+    except OSError as err:
+        wrapped = _output_error(err, src, out, needed, None)
+        if wrapped is None:
+            raise
+        raise wrapped from err
+    try:
+        result = write_checkpoint(
+            plan, staging, target=target, scale_mode=scale_mode, devices=devices, progress=progress,
+            chunk_bytes=chunk_bytes, host_memory_bytes=host_memory_bytes, shard_order=shard_order,
+        )
+        _durable.fsync_dirs(staging)
+        _durable.publish(staging, out, overwrite)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        wrapped = _output_error(exc, src, out, needed, staging) if isinstance(exc, OSError) else None
+        if wrapped is not None:
+            raise wrapped from exc
+        raise
+    finally:
+        os.close(staging_lock)
+    result.out = out
+    return result
+
+
+def write_checkpoint(
+    plan: ConversionPlan,
+    out: Path,
+    *,
+    target: Target | str = Target.FNUZ,
+    scale_mode: ScaleMode | str = ScaleMode.EXACT,
+    devices: list[torch.device] | None = None,
+    progress: Callable[[Progress], None] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES,
+    shard_order: ShardOrder | None = None,
+) -> ConversionResult:
+    """Write the conversion of ``plan`` into the directory ``out`` (created when missing; must be empty).
+
+    Every file is fsynced once, by the stage that wrote it; the directories are not, and nothing is renamed:
+    the caller publishes ``out`` (and removes it on an error). See :func:`convert_checkpoint` for the
+    arguments; ``devices`` defaults to ``auto``'s choice.
+    """
+    started = time.monotonic()
+    target, scale_mode = Target(target), ScaleMode(scale_mode)
+    devices = devices if devices is not None else conversion_devices("auto")
+    out.mkdir(exist_ok=True)
+    run = Run(plan, out, target, scale_mode, max(1, chunk_bytes), max(1, host_memory_bytes), progress, shard_order)
+    convert_shards(run, devices)
+    write_metadata_files(run)
+    copy_other_files(run)
+    return ConversionResult(
+        out=out,
+        converted=[p.weight.name for p in plan.selected],
+        shards=[s.name for s in plan.shards],
+        left_out=[str(f) for f in plan.left_out],
+        bytes_read=run.tally.read,
+        bytes_written=run.tally.written,
+        seconds=time.monotonic() - started,
+        target=target.value,
+        scale_mode=scale_mode.value,
+        device=",".join(str(d) for d in devices),
+        host_buffer_bytes=run.tally.buffers_peak,
+        readiness=plan_readiness(plan, target),
+        tensors=plan.tensor_count,
+        data_bytes=plan.data_bytes,
+    )
+
+
+def _check_out(src: Path, out: Path, overwrite: bool) -> None:
+    s, o = src.resolve(), out.resolve()
+    if s == o or s in o.parents or o in s.parents:
+        raise CheckpointError(f"the output directory must be outside the input {src} (and not contain it)", file=out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise CheckpointError("exists and is not a directory", file=out)
+    if any(out.iterdir()) and not overwrite:
+        problem = "the output directory is not empty; pass --overwrite (overwrite=True) to replace it"
+        raise CheckpointError(problem, file=out)
+
+
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``path`` (or its nearest parent)."""
+    try:
+        return _durable.free_bytes(path)
+    except OSError:
+        return None
+
+
+def _check_free_space(out: Path, needed: int) -> None:
+    """Refuse before writing anything when the file system of ``out`` has less free space than the output needs."""
+    free = _free_bytes(out.parent)
+    if free is not None and free < needed:
+        raise OutputError(
+            errno.ENOSPC,
+            f"not enough free space for the output directory {out}: the conversion writes about {human_bytes(needed)} "
+            f"({needed} bytes) and only {human_bytes(free)} ({free} bytes) are free on the file system of "
+            f"{_durable.nearest_existing(out.parent)}; nothing was written. Free space there or choose another output "
+            "directory (--out)",
+            out=out, needed_bytes=needed, free_bytes=free,
+        )
+
+
+def _output_error(err: OSError, src: Path, out: Path, needed: int, staging: Path | None) -> OutputError | None:
+    """``err`` restated about ``out`` (the caller's directory, not the staging path) when it is a failure to write
+    the output; None when it is something else (e.g. reading the source)."""
+    if isinstance(err, OutputError):
+        return err
+    code = err.errno
+    where = _durable.nearest_existing(out.parent)
+    cleaned = "the partial output was removed and nothing" if staging is not None else "nothing"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        free = _free_bytes(out.parent)
+        what = "ran out of disk space" if code == errno.ENOSPC else "ran out of disk quota"
+        return OutputError(
+            code,
+            f"{what} writing the output directory {out}: the conversion writes about {human_bytes(needed)} ({needed} "
+            f"bytes), {human_bytes(free) if free is not None else '?'} are free on the file system of {where} now; "
+            f"{cleaned} was left beside it. Free space there or choose another output directory (--out)",
+            out=out, needed_bytes=needed, free_bytes=free,
+        )
+    if code == errno.EROFS:
+        return OutputError(
+            code,
+            f"cannot write the output directory {out}: {where} is on a read-only file system; {cleaned} was "
+            "written. Choose an output directory (--out) on a writable file system",
+            out=out,
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        name = os.fspath(err.filename) if err.filename is not None else None
+        within = (lambda d: name == str(d) or name.startswith(str(d).rstrip(os.sep) + os.sep)) if name else None
+        # a path beside or inside out (the staging directory) is ours; a source file we may not read is not
+        if name is None or (within(out.parent) and not within(src)):
+            return OutputError(
+                code,
+                f"cannot write the output directory {out}: permission denied in {out.parent} (the conversion "
+                f"writes a staging directory beside {out.name} and renames it into place); {cleaned} was written",
+                out=out,
+            )
+    return None

@@ -1,0 +1,810 @@
+"""The threaded pipeline that writes the converted shards (see :mod:`transformd.checkpoint`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol, runtime_checkable
+
+import torch
+
+from .. import _durable
+from ..convert import convert_weight, resolve_device
+from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target, tile_grid
+from ..kernels import convert_triton
+from ..mx import expand_row_blocks
+from ..safetensors_io import (
+    CheckpointError,
+    SafetensorsWriter,
+    TensorInfo,
+    tensor_nbytes,
+)
+from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
+
+# -------------------------------------------------------------------------------------------------------------------
+# Conversion
+#
+# One lane per device, each four threads joined by bounded channels:
+#
+#     reader --(pieces, in input slots)--> converter --(converted pieces, in output slots)--> writer --> syncer
+#
+# * reader: reads each MXFP8 weight of its shards one piece at a time (whole experts, or blocks of 128 rows of a
+#   large matrix) into a reusable host buffer (a "slot"; pinned when it feeds a GPU).
+# * converter: converts a piece on the device into an output slot (and hands the input slot back).
+# * writer: appends converted pieces to the output shard, copies the tensors that are not converted straight
+#   from the input file (copy_file_range, never through memory), and copies whole the shards that need no
+#   rewrite.
+# * syncer: fsyncs each file the writer has finished while the writer goes on with the next, so that flushing
+#   shard i to disk overlaps reading and writing shard i+1.
+#
+# Host memory is therefore the slots (two pools of a fixed number of fixed-size slots, cut from
+# ``host_memory_bytes``) plus, on the CPU, the PyTorch reference's temporaries for one piece: it does not grow
+# with the checkpoint. The calling thread only waits: it calls ``progress`` for each tensor the converter hands
+# on, and when any stage fails it stops the others, joins them and raises that stage's exception.
+
+#: Largest slice of one weight (input code bytes) read and converted at once.
+DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+#: Default bound on the host memory of a conversion's buffers (``host_memory_bytes``).
+DEFAULT_HOST_MEMORY_BYTES = 2 << 30
+#: Slots of each pool (input pieces, converted pieces) that the budget must hold at the least.
+MIN_SLOTS = 3
+#: Slots of each pool at the most: enough read-ahead and write-behind for a disk; a slot is as large as the
+#: largest piece, so more would mostly hold smaller pieces in oversized buffers.
+MAX_SLOTS = 16
+#: Host bytes the PyTorch reference (the CPU path) needs while it converts a piece, per code byte of the piece:
+#: float32 decode, tile maxima, the quotient, the outputs (measured 12-14).
+CPU_WORK_FACTOR = 16
+#: Items a channel between two stages holds (memory is bounded by the slots, not by this).
+CHANNEL_ITEMS = 4 * MAX_SLOTS
+#: Finished files waiting for the syncer at the most (bounds the dirty page cache the writer runs ahead by).
+SYNC_BACKLOG = 2
+#: How often a waiting stage checks whether the conversion was stopped (seconds).
+POLL_S = 0.05
+#: Alignment of the scale bytes that follow the codes in a slot.
+SLOT_ALIGN = 256
+
+
+class _Tally:
+    """Byte counts the stage threads add to: data read and written, host buffers allocated (and their peak)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.read = self.written = self.buffers = self.buffers_peak = 0
+
+    def add(self, *, read: int = 0, written: int = 0, buffers: int = 0) -> None:
+        with self._lock:
+            self.read += read
+            self.written += written
+            self.buffers += buffers
+            self.buffers_peak = max(self.buffers_peak, self.buffers)
+
+
+@runtime_checkable
+class ShardOrder(Protocol):
+    """Chooses the next shard of a running conversion and hears of each finished one.
+
+    ``next(pending)`` is called from a conversion thread right before a shard is
+    started, with the names not started yet in index order; it returns one of them.
+    ``done(name, path)`` is called once the output shard ``path`` (in the staging
+    directory) is completely written and fsynced; the file keeps its inode through
+    the renames that publish the checkpoint, so a reader that opened it stays valid.
+    """
+
+    def next(self, pending: Sequence[str]) -> str: ...
+
+    def done(self, name: str, path: Path) -> None: ...
+
+
+@dataclass
+class Run:
+    """State of one conversion, kept by the calling thread (stage threads only add to ``tally``)."""
+
+    plan: ConversionPlan
+    out: Path
+    target: Target
+    scale_mode: ScaleMode
+    chunk_bytes: int
+    host_memory_bytes: int
+    progress: Callable[[Progress], None] | None
+    shard_order: ShardOrder | None = None
+    tally: _Tally = field(default_factory=_Tally)
+    tensors_done: int = 0
+    bytes_done: int = 0
+    convert_bytes_done: int = 0
+    output_tensors: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (shard, nbytes)
+
+    def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
+        self.tensors_done += tensors
+        self.bytes_done += nbytes
+        self.convert_bytes_done += converted
+        if self.progress is not None:
+            self.progress(
+                Progress(shard, self.tensors_done, self.plan.tensor_count, self.bytes_done, self.plan.data_bytes,
+                         self.convert_bytes_done, self.plan.convert_bytes)
+            )
+
+
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Reported to ``progress`` after each tensor (and after each shard copied whole).
+
+    ``bytes_*`` count every input tensor byte; ``convert_bytes_*`` only the MXFP8 weights' codes, the
+    bytes that are converted rather than copied (much slower on the CPU): an ETA should come from
+    those (:class:`transformd.progress.Eta`).
+    """
+
+    shard: str
+    tensors_done: int
+    tensors_total: int
+    bytes_done: int
+    bytes_total: int
+    convert_bytes_done: int = 0
+    convert_bytes_total: int = 0
+
+
+
+
+def convert_shards(run: Run, devices: list[torch.device]) -> None:
+    """Write every output shard into the staging directory: a lane per device, the shards spread over them."""
+    for shard in run.plan.shards:
+        if shard.rewrite:
+            outputs = [(name, tensor_nbytes(dtype, shape)) for name, dtype, shape in output_specs(run.target, shard)]
+        else:
+            outputs = [(t.name, t.nbytes) for t in shard.header.tensors.values()]
+        run.output_tensors.update((name, (shard.name, nbytes)) for name, nbytes in outputs)
+    assigned = [(dev, shards) for dev, shards in zip(devices, _assign_shards(run.plan.shards, len(devices))) if shards]
+    stages = _Stages()
+    lanes = [_Lane(run, stages, dev, shards, run.host_memory_bytes // len(assigned)) for dev, shards in assigned]
+    try:
+        for lane in lanes:
+            lane.start()
+        stages.wait(run.tick)
+    finally:
+        for lane in lanes:
+            lane.close()
+        _release_cached_memory(devices)
+
+
+
+
+
+def conversion_devices(device: str | torch.device | None) -> list[torch.device]:
+    """Every visible GPU for ``auto``/``cuda`` (no index) when there are several; else the one device asked for."""
+    dev = resolve_device(device)
+    any_gpu = dev.type == "cuda" and (device is None or str(device) in ("auto", "cuda"))
+    return _spread_devices(dev, torch.cuda.device_count() if any_gpu else 1)
+
+
+def _spread_devices(dev: torch.device, count: int) -> list[torch.device]:
+    """``count`` > 1: one device of ``dev``'s type per index; else ``dev`` itself."""
+    return [torch.device(dev.type, i) for i in range(count)] if count > 1 else [dev]
+
+
+def _assign_shards(shards: Sequence[ShardPlan], lanes: int) -> list[list[ShardPlan]]:
+    """Spread shards over ``lanes`` devices with about equal bytes each (largest first to the least loaded).
+
+    Every shard goes to exactly one lane; each lane keeps the checkpoint's order (sequential reads).
+    """
+    load = [0] * lanes
+    picked: list[list[int]] = [[] for _ in range(lanes)]
+    for i in sorted(range(len(shards)), key=lambda i: -shards[i].header.file_size):
+        lane = min(range(lanes), key=lambda j: (load[j], j))
+        picked[lane].append(i)
+        load[lane] += shards[i].header.file_size
+    return [[shards[i] for i in sorted(p)] for p in picked]
+
+
+def _release_cached_memory(devices: list[torch.device]) -> None:
+    """Give PyTorch's cached GPU memory and pinned host memory back, so that an idle process holds none."""
+    if any(d.type == "cuda" for d in devices) and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
+
+
+# -- pieces and buffers -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """The part of an [N, K] or [E, N, K] weight converted at once: experts [e0, e1), rows [r0, r1) of each.
+
+    Either whole experts (r0 = 0, r1 = N) or rows of one expert with r0 a multiple of 128, so its codes and
+    its output scales are each one contiguous range, and it converts to the same bytes as the whole weight.
+    """
+
+    shape: tuple[int, ...]
+    e0: int
+    e1: int
+    r0: int
+    r1: int
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        k = self.shape[-1]
+        return (self.e1 - self.e0, self.r1 - self.r0, k) if len(self.shape) == 3 else (self.r1 - self.r0, k)
+
+    @property
+    def code_bytes(self) -> int:
+        return math.prod(self.piece_shape)
+
+    @property
+    def code_offset(self) -> int:
+        n, k = self.shape[-2:]
+        return (self.e0 * n + self.r0) * k
+
+    @property
+    def slot_bytes(self) -> int:
+        """Input slot bytes: the codes, then (aligned) the E8M0 scales."""
+        return _align(self.code_bytes) + self.code_bytes // MX_BLOCK
+
+    def where(self) -> str:
+        """What error indices inside this piece are relative to ("" when they are the weight's own)."""
+        n = self.shape[-2]
+        if len(self.shape) == 2:
+            return f" (indices relative to row {self.r0} of {n})" if self.r0 else ""
+        experts = self.shape[0]
+        if self.r1 - self.r0 < n and (self.e0 or self.r0):
+            return f" (indices relative to row {self.r0} of expert {self.e0} of {experts})"
+        return f" (indices relative to expert {self.e0} of {experts})" if self.e0 else ""
+
+
+def _units(shape: tuple[int, ...], piece_bytes: int) -> list[_Unit]:
+    """Cut a weight into pieces of at most ``piece_bytes`` code bytes: whole experts, else blocks of 128 rows.
+
+    A piece is never smaller than one expert of at most 128 rows, or 128 rows of a larger one.
+    """
+    *lead, n, k = shape
+    experts = lead[0] if lead else 1
+    matrix = n * k
+    if matrix <= piece_bytes or n <= TILE:
+        step = max(1, piece_bytes // max(1, matrix))
+        units = [_Unit(shape, e0, min(experts, e0 + step), 0, n) for e0 in range(0, experts, step)]
+        return units or [_Unit(shape, 0, 0, 0, n)]  # no experts: one empty piece
+    rows = max(TILE, piece_bytes // k // TILE * TILE)
+    return [_Unit(shape, e, e + 1, r0, min(n, r0 + rows)) for e in range(experts) for r0 in range(0, n, rows)]
+
+
+def _slot_views(slot: torch.Tensor, unit: _Unit) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, E8M0 scales) of ``unit`` in an input slot, as shaped uint8 views."""
+    shape, nc = unit.piece_shape, unit.code_bytes
+    codes = slot[:nc].view(shape)
+    scales = slot[_align(nc) : _align(nc) + nc // MX_BLOCK].view(*shape[:-1], shape[-1] // MX_BLOCK)
+    return codes, scales
+
+
+@dataclass(frozen=True)
+class _BufferSizes:
+    """How one lane cuts its share of ``host_memory_bytes`` (see :func:`_size_buffers`)."""
+
+    piece_bytes: int  # most code bytes of one weight read and converted at once
+    slot_bytes: int  # one host buffer: a piece's codes and scales (input), or its converted codes (output)
+    slots: int  # buffers in each of the two pools
+    work_bytes: int  # the CPU reference's temporaries while it converts one piece
+
+    @property
+    def bound_bytes(self) -> int:
+        return 2 * self.slots * self.slot_bytes + self.work_bytes
+
+
+def _size_buffers(
+    pairs: Iterable[MxPair], memory_bytes: int, chunk_bytes: int, *, pinned: bool, work_factor: int
+) -> _BufferSizes:
+    """Cut ``memory_bytes`` into two pools of at least ``MIN_SLOTS`` slots each, plus the CPU's work space.
+
+    Pieces are at most ``chunk_bytes`` of codes and small enough for that; a slot is as large as the largest
+    piece of ``pairs`` needs, and no larger. Pinned slots are powers of two (the pinned allocator rounds every
+    size up to one). A budget too small for one 128-row piece is exceeded by the pieces' size, not refused.
+    """
+    cap = memory_bytes // (2 * MIN_SLOTS + work_factor)
+    if pinned:
+        cap = 1 << max(0, cap.bit_length() - 1)
+    piece = max(1, min(chunk_bytes, cap * MX_BLOCK // (MX_BLOCK + 1) - SLOT_ALIGN))
+    need = max((u.slot_bytes for p in pairs for u in _units(p.weight.shape, piece)), default=0)
+    slot = max(SLOT_ALIGN, 1 << (need - 1).bit_length() if pinned else _align(need))
+    slots = max(MIN_SLOTS, min(MAX_SLOTS, (memory_bytes - work_factor * slot) // (2 * slot)))
+    return _BufferSizes(piece, slot, slots, work_factor * slot)
+
+
+def _align(n: int) -> int:
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
+
+
+class _SlotPool:
+    """At most ``count`` host buffers of ``slot_bytes`` each, allocated on first need and then reused.
+
+    One stage takes slots (only that one thread), a later stage gives them back; taking waits while all
+    are out, until the stages stop. Pinned (page-locked) when they feed a GPU, for full-speed copies.
+    """
+
+    def __init__(self, sizes: _BufferSizes, *, pinned: bool, stages: _Stages, tally: _Tally):
+        self.slot_bytes, self.count, self.pinned = sizes.slot_bytes, sizes.slots, pinned
+        self._stages, self._tally = stages, tally
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._made = 0
+
+    def take(self) -> torch.Tensor:
+        if self._free.empty() and self._made < self.count:
+            self._made += 1
+            self._tally.add(buffers=self.slot_bytes)
+            return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        while True:
+            self._stages.check()
+            try:
+                return self._free.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
+
+    def give(self, slot: torch.Tensor) -> None:
+        self._free.put(slot)
+
+    def close(self) -> None:
+        while not self._free.empty():
+            self._free.get_nowait()
+        self._tally.add(buffers=-self._made * self.slot_bytes)
+        self._made = 0
+
+
+# -- converters: one piece, on one device -------------------------------------------------------------------------
+
+
+class _ReferenceConverter:
+    """CPU: :func:`transformd.convert_weight` (the PyTorch reference); the codes go into the output slot."""
+
+    def __init__(self, target: Target, scale_mode: ScaleMode):
+        self.target, self.scale_mode = target, scale_mode
+
+    def __call__(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        q, scale_inv = convert_weight(codes, scales, self.target, self.scale_mode, "cpu")
+        out.copy_(q.view(torch.uint8))
+        return scale_inv
+
+    def close(self) -> None:
+        pass
+
+
+class _KernelConverter:
+    """GPU: the fused Triton kernel, between two device buffers of one slot each, reused for every piece.
+
+    Host slot -> device (asynchronous copy from pinned memory) -> kernel -> host slot; one synchronisation per
+    piece (the kernel's status check). Also runs on the CPU under ``TRITON_INTERPRET=1`` (tests).
+    """
+
+    #: Each converter's first launch (which may JIT-compile and load the kernel) runs alone: lanes on several
+    #: GPUs would otherwise fill Triton's caches from several threads at once.
+    _first_launch = threading.Lock()
+
+    def __init__(self, device: torch.device, slot_bytes: int, target: Target, scale_mode: ScaleMode):
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # Triton launches on the thread's current device
+        self.device, self.target, self.scale_mode = device, target, scale_mode
+        self._in: torch.Tensor | None = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+        self._out: torch.Tensor | None = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+        self._launched = False
+
+    def __call__(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        assert self._in is not None and self._out is not None
+        n = codes.numel()
+        d_codes = self._in[:n].view(codes.shape)
+        d_scales = self._in[_align(n) : _align(n) + scales.numel()].view(scales.shape)
+        d_codes.copy_(codes, non_blocking=True)
+        d_scales.copy_(scales, non_blocking=True)
+        *lead, rows, k = codes.shape
+        d_q = self._out[:n].view(codes.shape)
+        d_scale_inv = torch.empty((*lead, *tile_grid(rows, k)), dtype=torch.float32, device=self.device)
+        if self._launched:
+            convert_triton(d_codes, d_scales, self.target, self.scale_mode, out=(d_q, d_scale_inv))
+        else:
+            with self._first_launch:
+                convert_triton(d_codes, d_scales, self.target, self.scale_mode, out=(d_q, d_scale_inv))
+            self._launched = True
+        out.copy_(d_q, non_blocking=True)
+        scale_inv = d_scale_inv.cpu()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the slots may be reused once this returns
+        return scale_inv
+
+    def close(self) -> None:
+        self._in = self._out = None
+
+
+def _make_converter(
+    device: torch.device, slot_bytes: int, target: Target, scale_mode: ScaleMode
+) -> _ReferenceConverter | _KernelConverter:
+    if device.type == "cpu":
+        return _ReferenceConverter(target, scale_mode)
+    return _KernelConverter(device, slot_bytes, target, scale_mode)
+
+
+# -- what flows between the stages ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _CopyShard:
+    """Copy this shard's file as it is (nothing in it changes)."""
+
+    shard: ShardPlan
+
+
+@dataclass(frozen=True)
+class _OpenShard:
+    """Start writing this output shard (header first)."""
+
+    shard: ShardPlan
+
+
+@dataclass(frozen=True)
+class _CopyTensor:
+    """Copy this tensor's bytes from the input shard into the output shard."""
+
+    shard: str
+    tensor: TensorInfo
+
+
+@dataclass(frozen=True)
+class _DropTensor:
+    """An input scale of a converted weight: nothing to write (counted for progress only)."""
+
+    shard: str
+    tensor: TensorInfo
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Reader -> converter: one piece of an MXFP8 weight, read into an input slot."""
+
+    pair: MxPair
+    unit: _Unit
+    slot: torch.Tensor
+    last: bool
+
+
+@dataclass(frozen=True)
+class _Append:
+    """Converter -> writer: the next bytes of tensor ``name``; ``slot`` goes back to the output pool after."""
+
+    name: str
+    data: torch.Tensor
+    slot: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _CloseShard:
+    """This output shard is complete: hand it to the syncer (which checks, fsyncs and closes it)."""
+
+    shard: ShardPlan
+
+
+_END = object()  # the last item a stage sends
+
+
+# -- the pipeline helper ----------------------------------------------------------------------------------------
+
+
+class _Stopped(Exception):
+    """Unwinds a stage quietly once another stage has failed or the caller gave up."""
+
+
+class _Stages:
+    """Threads joined by bounded channels; the first error stops them all.
+
+    Stage threads report to the calling thread through one queue, in the order things happen: progress
+    ticks, their error, their exit. :meth:`wait` (on the calling thread) applies the ticks, and re-raises
+    the first error once every stage has been stopped and joined.
+    """
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def channel(self, maxsize: int = CHANNEL_ITEMS) -> _Channel:
+        return _Channel(self, maxsize)
+
+    def check(self) -> None:
+        """Raise :class:`_Stopped` if the stages were stopped (stages call this wherever they wait)."""
+        if self._stop.is_set():
+            raise _Stopped
+
+    def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
+        self._events.put(("tick", (shard, tensors, nbytes, converted)))
+
+    def start(self, name: str, stage: Callable[[], None]) -> None:
+        def body() -> None:
+            try:
+                stage()
+            except _Stopped:
+                pass
+            except BaseException as err:  # noqa: BLE001 - handed to the calling thread, which raises it
+                self._stop.set()
+                traceback.clear_frames(err.__traceback__)  # drop the frames' buffers; keep file and line
+                self._events.put(("error", err))
+            finally:
+                self._events.put(("exit", name))
+
+        thread = threading.Thread(target=body, name=f"transformd-{name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def wait(self, on_tick: Callable[[str, int, int, int], None]) -> None:
+        """Apply ticks until every stage has exited; on an error (or an exception here) stop all, join, raise."""
+        running = len(self._threads)
+        try:
+            while running:
+                try:
+                    kind, payload = self._events.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if kind == "tick":
+                    on_tick(*payload)
+                elif kind == "error":
+                    raise payload
+                else:
+                    running -= 1
+        finally:
+            self._stop.set()
+            for thread in self._threads:
+                thread.join()
+
+
+class _Channel:
+    """A bounded FIFO from one stage to the next; waiting ends with :class:`_Stopped` when the stages stop."""
+
+    def __init__(self, stages: _Stages, maxsize: int):
+        self._stages = stages
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize)
+
+    def put(self, item: Any) -> None:
+        while True:
+            self._stages.check()
+            try:
+                return self._queue.put(item, timeout=POLL_S)
+            except queue.Full:
+                pass
+
+    def get(self) -> Any:
+        while True:
+            self._stages.check()
+            try:
+                return self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
+
+    def drain(self) -> list[Any]:
+        """Take out whatever is left (once the stages have been joined)."""
+        items = []
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return items
+
+
+# -- one lane: the four stages of one device ----------------------------------------------------------------------
+
+
+class _Lane:
+    """The reader, converter, writer and syncer of one device, its shards, and the slots between them."""
+
+    def __init__(self, run: Run, stages: _Stages, device: torch.device, shards: list[ShardPlan], memory: int):
+        if device.type == "cuda" and device.index is None:  # the caller's current GPU (stage threads start on 0)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.run, self.stages, self.device, self.shards = run, stages, device, shards
+        self.pairs = {p.weight.name: p for s in shards for p in s.pairs}
+        pinned = device.type == "cuda"
+        work = CPU_WORK_FACTOR if device.type == "cpu" else 0
+        self.sizes = _size_buffers(self.pairs.values(), memory, run.chunk_bytes, pinned=pinned, work_factor=work)
+        self.inputs = _SlotPool(self.sizes, pinned=pinned, stages=stages, tally=run.tally)
+        self.outputs = _SlotPool(self.sizes, pinned=pinned, stages=stages, tally=run.tally)
+        self.to_converter = stages.channel()
+        self.to_writer = stages.channel()
+        self.to_syncer = stages.channel(SYNC_BACKLOG)
+
+    def start(self) -> None:
+        stages = (("read", self.read), ("convert", self.convert), ("write", self.write), ("sync", self.sync))
+        for name, stage in stages:
+            self.stages.start(f"{name}-{self.device}", stage)
+
+    def close(self) -> None:
+        """Drop every buffer and close files left open by a stop (after the stages have been joined)."""
+        self.to_converter.drain()
+        self.to_writer.drain()
+        for item in self.to_syncer.drain():
+            if item is not _END and not isinstance(item, Path):
+                item.abort()  # a SafetensorsWriter the syncer did not get to
+        self.inputs.close()
+        self.outputs.close()
+
+    # -- reader
+
+    def read(self) -> None:
+        files = _OpenFiles(self.run.plan.src)
+        pending = list(self.shards)
+        try:
+            while pending:
+                shard = self._next_shard(pending)
+                pending.remove(shard)
+                if not shard.rewrite:
+                    self.to_converter.put(_CopyShard(shard))
+                    continue
+                self.to_converter.put(_OpenShard(shard))
+                for t in shard.header.tensors.values():
+                    if t.name in shard.dropped:
+                        self.to_converter.put(_DropTensor(shard.name, t))
+                    elif t.name in self.pairs:
+                        self._read_pair(self.pairs[t.name], files)
+                    else:
+                        self.to_converter.put(_CopyTensor(shard.name, t))
+                self.to_converter.put(_CloseShard(shard))
+        finally:
+            files.close()
+        self.to_converter.put(_END)
+
+    def _next_shard(self, pending: list[ShardPlan]) -> ShardPlan:
+        """The caller's choice through ``shard_order`` (a name it does not know: index order)."""
+        if self.run.shard_order is None:
+            return pending[0]
+        name = self.run.shard_order.next([s.name for s in pending])
+        return next((s for s in pending if s.name == name), pending[0])
+
+    def _read_pair(self, pair: MxPair, files: _OpenFiles) -> None:
+        units = _units(pair.weight.shape, self.sizes.piece_bytes)
+        for i, unit in enumerate(units):
+            slot = self.inputs.take()
+            codes, scales = _slot_views(slot, unit)
+            files.read_into(pair.weight_shard, pair.weight.begin + unit.code_offset, codes)
+            self.run.tally.add(read=codes.numel() + _read_scales(pair, unit, files, scales))
+            self.to_converter.put(_Piece(pair, unit, slot, last=i == len(units) - 1))
+
+    # -- converter
+
+    def convert(self) -> None:
+        converter = _make_converter(self.device, self.sizes.slot_bytes, self.run.target, self.run.scale_mode)
+        try:
+            scales: list[torch.Tensor] = []
+            while (item := self.to_converter.get()) is not _END:
+                if isinstance(item, _Piece):
+                    scales.append(self._convert_piece(converter, item))
+                    if item.last:  # the weight's codes are all out: now its scales, in order
+                        for piece in scales:
+                            self.to_writer.put(_Append(item.pair.out_scale_name, piece))
+                        scales = []
+                        nbytes = item.pair.weight.nbytes
+                        self.stages.tick(item.pair.weight_shard, 1, nbytes, converted=nbytes)
+                elif isinstance(item, _DropTensor):
+                    self.stages.tick(item.shard, 1, item.tensor.nbytes)
+                else:
+                    self.to_writer.put(item)
+                    if isinstance(item, _CopyTensor):
+                        self.stages.tick(item.shard, 1, item.tensor.nbytes)
+                    elif isinstance(item, _CopyShard):
+                        header = item.shard.header
+                        self.stages.tick(item.shard.name, len(header.tensors), header.data_bytes)
+            self.to_writer.put(_END)
+        finally:
+            converter.close()
+
+    def _convert_piece(self, converter: _ReferenceConverter | _KernelConverter, piece: _Piece) -> torch.Tensor:
+        """Convert one piece into an output slot and send it to the writer; return its output scales."""
+        out = self.outputs.take()
+        codes, scales = _slot_views(piece.slot, piece.unit)
+        converted = out[: codes.numel()].view(codes.shape)
+        try:
+            scale_inv = converter(codes, scales, converted)
+        except MxFormatError as err:
+            problem = f"{err.problem}{piece.unit.where()}"
+            file = str(self.run.plan.src / piece.pair.weight_shard)
+            raise MxFormatError(problem, tensor=piece.pair.weight.name, file=file) from None
+        self.inputs.give(piece.slot)
+        self.to_writer.put(_Append(piece.pair.weight.name, converted, out))
+        return scale_inv.to(torch.float32)
+
+    # -- writer
+
+    def write(self) -> None:
+        writer: SafetensorsWriter | None = None
+        source: BinaryIO | None = None
+        try:
+            while (item := self.to_writer.get()) is not _END:
+                if isinstance(item, _Append):
+                    assert writer is not None
+                    writer.write(item.name, item.data)
+                    if item.slot is not None:
+                        self.outputs.give(item.slot)
+                elif isinstance(item, _CopyTensor):
+                    assert writer is not None and source is not None
+                    writer.copy_from(item.tensor.name, source, item.tensor.begin)
+                    self.run.tally.add(read=item.tensor.nbytes)
+                elif isinstance(item, _OpenShard):
+                    shard = item.shard
+                    source = open(self.run.plan.src / shard.name, "rb")  # noqa: SIM115 - closed below
+                    specs = list(output_specs(self.run.target, shard))
+                    writer = SafetensorsWriter(self.run.out / shard.name, specs, shard.header.metadata)
+                elif isinstance(item, _CloseShard):
+                    assert writer is not None and source is not None
+                    source.close()
+                    source = None
+                    self.to_syncer.put(writer)  # checked, fsynced and closed there
+                    writer = None
+                elif isinstance(item, _CopyShard):
+                    dst = self.run.out / item.shard.name
+                    size = _durable.copy_file(self.run.plan.src / item.shard.name, dst, check=self.stages.check, fsync=False)
+                    self.run.tally.add(read=size)
+                    self.to_syncer.put(dst)
+            self.to_syncer.put(_END)
+        finally:
+            if writer is not None:
+                writer.abort()
+            if source is not None:
+                source.close()
+
+    # -- syncer
+
+    def sync(self) -> None:
+        """Make each file the writer has finished durable, while the writer goes on with the next."""
+        while (item := self.to_syncer.get()) is not _END:
+            if isinstance(item, Path):
+                path = item
+                self.run.tally.add(written=_durable.fsync_file(path))
+            else:
+                item.close()  # SafetensorsWriter: checks every tensor is complete, fsyncs, closes
+                path = item.path
+                self.run.tally.add(written=item.bytes_written)
+            if self.run.shard_order is not None:
+                self.run.shard_order.done(path.name, path)
+
+
+def _read_scales(pair: MxPair, unit: _Unit, files: _OpenFiles, out: torch.Tensor) -> int:
+    """Read the E8M0 scales of ``unit`` into ``out`` (one row of scales per weight row); return the bytes read.
+
+    Rx32 block scales (Quark ``per_block``) are read once per block row and repeated for the R rows they cover.
+    """
+    if pair.row_block == 1:
+        files.read_into(pair.scale_shard, pair.scale.begin + unit.code_offset // MX_BLOCK, out)
+        return out.numel()
+    *_, rows, kb = pair.scale.shape
+    first, stop = unit.r0 // pair.row_block, (unit.r1 - 1) // pair.row_block + 1
+    block = torch.empty((unit.e1 - unit.e0, stop - first, kb), dtype=torch.uint8)
+    for i, e in enumerate(range(unit.e0, unit.e1)):
+        files.read_into(pair.scale_shard, pair.scale.begin + (e * rows + first) * kb, block[i])
+    per_row = expand_row_blocks(block, stop * pair.row_block - first * pair.row_block, pair.row_block)
+    skip = unit.r0 - first * pair.row_block
+    out.copy_(per_row[:, skip : skip + unit.r1 - unit.r0].reshape(out.shape))
+    return block.numel()
+
+
+class _OpenFiles:
+    """Input shards opened on first use (by name), for positional reads, until :meth:`close`."""
+
+    def __init__(self, src: Path):
+        self.src = src
+        self._fds: dict[str, int] = {}
+
+    def read_into(self, shard: str, offset: int, buf: torch.Tensor) -> None:
+        """Fill the uint8 tensor ``buf`` with ``shard``'s bytes from absolute offset ``offset``."""
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self.src / shard, os.O_RDONLY)
+        view = memoryview(buf.reshape(-1).numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if not got:
+                end = offset + len(view)
+                problem = f"file ended {len(view) - done} bytes early while reading bytes [{offset}, {end})"
+                raise CheckpointError(problem, file=self.src / shard)
+            done += got
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
