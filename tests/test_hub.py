@@ -119,7 +119,8 @@ def test_the_hub_cache_comes_from_hf_hub_cache_else_hf_home(hub_cache: Path, mon
 
 def test_the_environment_order_is_huggingface_hubs(hub_cache: Path, tmp_path: Path) -> None:
     """default_hub_cache reads the environment when asked; huggingface_hub.constants at import: they agree."""
-    code = "import huggingface_hub.constants as c, transformd.hub as h; print(c.HF_HUB_CACHE); print(h.default_hub_cache())"
+    code = ("import huggingface_hub.constants as c, transformd.hub as h; "
+            "print(c.HF_HUB_CACHE); print(h.default_hub_cache())")
     for env in ({"HF_HUB_CACHE": str(hub_cache)}, {"HF_HOME": str(tmp_path / "h")}, {"XDG_CACHE_HOME": str(tmp_path)}):
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "XDG_CACHE"))}
         out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
@@ -160,12 +161,17 @@ def test_a_name_that_exists_here_is_a_path(tmp_path: Path, monkeypatch) -> None:
 @pytest.mark.parametrize(
     "repo_id",
     ["org/..", "../etc", "org/../../etc", "org--x/y", "org/x--y", "org/na me", "org/mod\u00e8le", "org/.hidden",
-     "org/x.", "-org/x", "a" * 60 + "/" + "b" * 60, "org/Model\n", "org/Model/../x"],
+     "org/x.", "-org/x", "a" * 97 + "/b", "org/" + "b" * 97, "org/Model\n", "org/Model/../x", "org/x.git"],
 )
 def test_hostile_repo_ids_are_refused(repo_id: str) -> None:
     with pytest.raises(hub.InvalidRepoIdError) as info:
         hub.check_repo_id(repo_id)
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize("repo_id", ["org/Model", "a" * 96 + "/" + "b" * 96, "_x/y_", "a__b/c_.-d", "Qwen/Qwen2.5-7B"])
+def test_huggingface_hubs_repo_ids_are_accepted(repo_id: str) -> None:
+    assert hub.check_repo_id(repo_id) == repo_id and hub.is_repo_id(repo_id, paths_exist=False)
 
 
 @pytest.mark.parametrize("revision", ["../../../etc/passwd", "/etc/passwd", ".hidden", "a//b", "main/", "a/../b",
@@ -229,6 +235,10 @@ def test_the_hub_module_imports_neither_torch_nor_huggingface_hub() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out
+    code = ("import sys, transformd.api.client, transformd.api.resolve, transformd.cli; "
+            "print('huggingface_hub' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "False", out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -387,7 +397,8 @@ def test_the_hub_cache_is_read_only_when_it_is_an_allowed_root(hub_cache: Path, 
                 r = http.post("/v1/checkpoints", json={"source": source})
                 assert r.status_code == 403 and r.json()["error"]["code"] == "source_not_allowed", r.text
                 assert str(hub_cache) not in r.text and "--allow-hub-cache" in r.text
-            r = http.post("/v1/checkpoints", json={"source": str(hub_cache / "models--org--Model" / "snapshots" / MAIN)})
+            snapshot = hub_cache / "models--org--Model" / "snapshots" / MAIN
+            r = http.post("/v1/checkpoints", json={"source": str(snapshot)})
             assert r.status_code == 403 and r.json()["error"]["code"] == "source_not_allowed"
         with DaemonThread(Settings(socket=run / "b.sock", allow_hub_cache=True, **base)) as d, d.client() as http:
             body = _post(http, source=REPO_ID, revision="v2")

@@ -7,7 +7,7 @@ argument: the daemon looks ``org/Model`` up in its hub cache and converts the sn
 (so a directory ``org/Model`` under the working directory is that directory, as for the engines). Otherwise
 it is a repo id when it has the form ``namespace/name`` (exactly one ``/``) and passes huggingface_hub's own
 repo-id rule (:func:`huggingface_hub.utils.validate_repo_id`: ASCII letters, digits, ``-``, ``_``, ``.``; no
-``--`` or ``..``; neither part starts or ends with ``-`` or ``.``; at most 96 characters). The daemon, which
+``--`` or ``..``; neither part starts or ends with ``-`` or ``.``; at most 96 characters a part). The daemon, which
 knows nothing of a caller's working directory, sees an absolute path or a repo id; anything else is a 400.
 A repo id without namespace (``gpt2``) is not accepted: it cannot be told from a relative path.
 
@@ -45,13 +45,16 @@ from typing import Any, TextIO
 
 __all__ = [
     "DEFAULT_REVISION",
+    "DownloadError",
     "HubError",
     "HubNotAllowedError",
     "HubResolver",
     "HubSource",
     "InvalidRepoIdError",
+    "InvalidRevisionError",
     "RepoNotCachedError",
     "RevisionNotCachedError",
+    "RevisionWithoutRepoError",
     "check_repo_id",
     "check_revision",
     "default_hub_cache",
@@ -63,11 +66,11 @@ __all__ = [
 
 #: The revision asked for when none is given (huggingface_hub's default branch).
 DEFAULT_REVISION = "main"
-#: Longest repo id (huggingface_hub's rule) and revision accepted.
-MAX_REPO_ID_CHARS = 96
+#: Longest part of a repo id (huggingface_hub's rule) and longest revision accepted.
+MAX_REPO_PART_CHARS = 96
 MAX_REVISION_CHARS = 256
-#: The shape of a repo id: ``namespace/name``, ASCII (huggingface_hub's own check accepts Unicode ``\w``).
-_REPO_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
+#: The shape of a repo id: ``namespace/name``, ASCII, each part starting and ending with a letter, digit or ``_``.
+_REPO_ID = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?/[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?$")
 #: A repo id as the API's schema documents it: every id of this form is accepted (up to 96 characters a part);
 #: :func:`check_repo_id` applies huggingface_hub's full rule (which also allows e.g. ``a__b``).
 REPO_ID_PATTERN = r"^[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*/[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*$"
@@ -179,8 +182,9 @@ def check_repo_id(repo_id: str) -> str:
     """``repo_id`` if it is a ``namespace/name`` repo id by huggingface_hub's rule; else :class:`InvalidRepoIdError`."""
     shown = repr(repo_id[:120]) + ("..." if len(repo_id) > 120 else "")
     problem = None
-    if len(repo_id) > MAX_REPO_ID_CHARS or not _REPO_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id:
-        problem = "letters, digits, '-', '_', '.' only; no '--' or '..'; at most 96 characters"
+    too_long = any(len(part) > MAX_REPO_PART_CHARS for part in repo_id.split("/"))
+    if too_long or not _REPO_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id:
+        problem = "letters, digits, '-', '_', '.' only; no '--' or '..'; at most 96 characters a part"
     else:
         try:
             from huggingface_hub.utils import validate_repo_id
