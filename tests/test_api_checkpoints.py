@@ -332,7 +332,7 @@ def test_bad_requests_are_400_with_a_message(start, models: Path) -> None:
             http.post("/v1/checkpoints", json={"source": src, "select": "("}),
             http.post("/v1/checkpoints", json={"source": src, "select": "(a+)+$"}),
             http.post("/v1/checkpoints", json={"source": src, "select": "x" * 2000}),
-            http.post("/v1/checkpoints", json={"source": "relative/path"}),
+            http.post("/v1/checkpoints", json={"source": "relative/dir/path"}),  # org/name is a repo id (hub)
             http.post("/v1/checkpoints", json={"source": "/x\u0000y"}),
             http.post("/v1/checkpoints", json={"source": 42}),
         ]

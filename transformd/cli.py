@@ -67,7 +67,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="convert an MXFP8 checkpoint directory to block FP8",
         description="Convert the MXFP8 checkpoint SRC into a 128x128 block-FP8 checkpoint in DIR; print DIR last.",
     )
-    convert.add_argument("src", metavar="SRC", type=Path, help="MXFP8 checkpoint directory (config.json + safetensors)")
+    convert.add_argument("src", metavar="SRC",
+                         help="MXFP8 checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
+                              "org/Model in the local hub cache (HF_HUB_CACHE, HF_HOME; a path that exists is a path)")
+    convert.add_argument("--revision", metavar="REV",
+                         help="with a repo id: branch, tag or full commit hash in the hub cache (default main)")
     convert.add_argument("--out", metavar="DIR", type=Path,
                          help="output directory (must be empty or absent); without it the conversion goes into "
                               "the cache and a second call for the same checkpoint returns at once")
@@ -220,6 +224,9 @@ def _positive_int(text: str) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    from .hub import source_path
+
+    args.src = source_path(args.src, args.revision, note=sys.stderr)  # a repo id: its snapshot in the hub cache
     target, why = _choose_target(args)
     if target is None:  # native MX: the source is what the engine should load
         print(f"transformd: nothing converted: {why}", file=sys.stderr)

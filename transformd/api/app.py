@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
 from ..checkpoint import readiness_of_dir
 from ..engines import Platform, choose_target, detect_platform
+from ..hub import HubResolver
 from .docs import install_docs
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
@@ -81,6 +83,9 @@ class Daemon:
     readers: dict[str, set[int]] = dataclasses.field(default_factory=dict)
     #: the uid whose request started the conversion of a key (it may delete the entry): key -> uid
     creators: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: repo ids (transformd.hub): the lookups, and the repo id a key was last asked for by (shown by /files)
+    hub: HubResolver | None = None
+    hub_origins: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     _health_limiter: anyio.CapacityLimiter | None = None
 
     def entry_readiness(self, key: str, path: Path) -> dict[str, Any] | None:
@@ -222,7 +227,7 @@ def create_app(
     settings = settings or Settings()
     settings.check()
     token = settings.load_token()
-    policy = SourcePolicy(settings.allow_roots)
+    policy = SourcePolicy(settings.source_roots())
     if converter is None:
         converter = TransformdShardConverter(settings.device)
     base_converter = converter
@@ -252,6 +257,7 @@ def create_app(
         on_change=on_change,
     )
     daemon = Daemon(settings, cache, service, entries, metrics, policy, settings.device, platform or detect_platform())
+    daemon.hub = HubResolver(settings.hub_cache_dir(), policy.roots, allow_download=settings.allow_download)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -344,6 +350,34 @@ def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
     return real
 
 
+async def _hub_source(d: Daemon, source: str, revision: str | None) -> dict[str, Any]:
+    """``{"hub": {repo_id, revision, commit, snapshot}}`` when ``source`` is a repo id (looked up in a source
+    thread: 400 malformed, 403 hub cache not an allowed root, 404 not cached); ``{}`` for a path."""
+    if d.hub is None or not d.hub.wants(source, revision):
+        return {}
+    try:
+        found = await anyio.to_thread.run_sync(d.hub.resolve, source, revision, limiter=d.service.source_limiter())
+    except Exception as e:
+        raise error_for_exception(e) from e
+    return {"hub": found.as_dict()}
+
+
+def _remember_hub(d: Daemon, key: str, hub: dict[str, Any]) -> None:
+    """Remember the repo id ``key`` was asked for by, for its ``/files``."""
+    if hub:
+        if len(d.hub_origins) > 4096:
+            d.hub_origins.clear()
+        d.hub_origins[key] = hub
+
+
+def _with_hub(body: bytes | None, d: Daemon, key: str) -> bytes | None:
+    """A serialised ``/files`` body with the repo id its key was asked for by, if any."""
+    hub = d.hub_origins.get(key)
+    if not hub or body is None:
+        return body
+    return json.dumps({**json.loads(body), **hub}, separators=(",", ":")).encode()
+
+
 def _unreadable(caller: Caller, source: str, missing: str) -> ApiError:
     """403 for a source ``caller`` could not read itself (``missing``: the right it lacks, and where)."""
     return ApiError(
@@ -396,11 +430,12 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     )
     async def post_checkpoint(body: CheckpointRequest, request: Request) -> Response:
         target, reason = choose_target(body.target, body.engine, d.platform)
-        source = d.policy.check_syntax(body.source)
+        hub = await _hub_source(d, body.source, body.revision)  # {} for a path; else the repo id's snapshot
+        source = d.policy.check_syntax(hub["hub"]["snapshot"] if hub else body.source)
         caller = d.caller(request)
         if target is None:  # native MX: the engine loads the source itself
             real = await _thread(_readable_source, d, source, caller)
-            return _json(passthrough_view(real, reason))
+            return _json({**passthrough_view(real, reason), **hub})
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
         ident = await service.identify(source)
         missing = denied(caller, ident.access) if ident.access is not None else None
@@ -408,6 +443,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             raise _unreadable(caller, source, missing)
         key = cache_key(ident, recipe)
         d.grant(key, caller)
+        _remember_hub(d, key, hub)
         job = service.job(key)
         if job is None or not job.active:
             invalid = service.known_invalid(key, ident.path)
@@ -417,7 +453,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             info = await _thread(entries.info, key, touch=True)
             if info is not None:
                 metrics.cache_hits.inc()
-                return await _ready(info, job, reason, body.engine)
+                return await _ready(info, job, reason, body.engine, hub)
         metrics.cache_misses.inc()
         if body.engine is not None and (job is None or not job.active):
             report = await _thread(_plan_readiness, d, source, body.select, target)
@@ -437,13 +473,13 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         if job.state == "ready":
             info = await _thread(entries.info, key)
             if info is not None:
-                return await _ready(info, job, reason, body.engine)
-        return _accepted({**job_view(job), "target_reason": reason})
+                return await _ready(info, job, reason, body.engine, hub)
+        return _accepted({**job_view(job), "target_reason": reason, **hub})
 
-    async def _ready(info: Any, job: Any, reason: str | None, engine: str | None) -> Response:
+    async def _ready(info: Any, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:
         report = await _thread(d.entry_readiness, info.key, info.path)
         _check_engine(report, engine)
-        return _json({**entry_view(info, job), "target_reason": reason, "readiness": report})
+        return _json({**entry_view(info, job), "target_reason": reason, "readiness": report, **hub})
 
     @app.get(
         "/v1/checkpoints/{key}",
@@ -518,10 +554,10 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         caller = await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
-            return _json(await _thread(job_files, entries, job))
+            return _json({**await _thread(job_files, entries, job), **d.hub_origins.get(key, {})})
         info = await _thread(entries.info, key, touch=True)
         if info is not None:
-            return Response(await _thread(entries.body, info), media_type="application/json")
+            return Response(_with_hub(await _thread(entries.body, info), d, key), media_type="application/json")
         return await _not_ready(key, job, files=True)
 
     @app.get(

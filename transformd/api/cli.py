@@ -30,6 +30,9 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         "cache_budget": args.cache_budget,
         "allow_roots": args.allow_root,
         "device": args.device,
+        "hub_cache": args.hub_cache,
+        "allow_hub_cache": args.allow_hub_cache,
+        "allow_download": args.allow_download,
         "max_concurrent_conversions": args.max_concurrent_conversions,
         "max_queued_conversions": args.max_queued_conversions,
         "log_level": args.log_level,
@@ -92,6 +95,14 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
         help="accept sources under DIR (repeatable; symlinks are resolved before the check)",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where conversions run (default auto)")
+    p.add_argument("--hub-cache", metavar="DIR", type=Path,
+                   help="Hugging Face hub cache where repo ids (org/Model) are looked up (default: $HF_HUB_CACHE, "
+                   "else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
+    p.add_argument("--allow-hub-cache", action="store_true", default=None,
+                   help="add the hub cache to the allowed roots (else repo ids work only under an --allow-root)")
+    p.add_argument("--allow-download", action="store_true", default=None,
+                   help="download a repo id that is not in the hub cache (token: HF_TOKEN or `hf auth login`); "
+                   "without it the daemon never downloads")
     p.add_argument("--max-concurrent-conversions", metavar="N", type=int, help="conversions at once (default 1)")
     p.add_argument(
         "--max-queued-conversions",

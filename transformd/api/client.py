@@ -463,6 +463,7 @@ class TransformdClient:
         select: str | None = None,
         wait_s: float | None = None,
         engine: str | None = None,
+        revision: str | None = None,
     ) -> CheckpointStatus:
         """``POST /v1/checkpoints`` once: the entry when cached (state ``ready``), else its queued/converting state.
 
@@ -476,15 +477,22 @@ class TransformdClient:
 
         ``target`` ``auto`` lets the daemon choose for ``engine`` (vllm, sglang, transformers, raw) and its GPU; on
         a GPU with native MX instructions the answer is the source itself (``key`` ``passthrough``).
+
+        A Hugging Face repo id (``org/Model``, :func:`transformd.hub.is_repo_id`: not a path here) is sent as it
+        is, with ``revision``: the daemon looks it up in its hub cache.
         """
+        from ..hub import is_repo_id
+
         body = {
-            "source": os.path.abspath(os.fspath(source)),
+            "source": source if is_repo_id(source) else os.path.abspath(os.fspath(source)),
             "target": str(getattr(target, "value", target)),
             "scale_mode": str(getattr(scale_mode, "value", scale_mode)),
             "select": select,
         }
         if engine is not None:
             body["engine"] = str(getattr(engine, "value", engine))
+        if revision is not None:
+            body["revision"] = revision
         limit = httpx.Timeout(wait_s, connect=self.timeout)
         response = self._request("POST", f"{_API}/checkpoints", json=body, ok=(200, 201, 202), timeout=limit)
         status = CheckpointStatus.from_json(self._json(response))
@@ -504,6 +512,7 @@ class TransformdClient:
         timeout: float | None = None,
         reconnect_s: float = DEFAULT_RECONNECT_S,
         notice: Callable[[str], None] | None = None,
+        revision: str | None = None,
     ) -> Path:
         """The converted checkpoint directory of ``source``: converted now, or taken from the cache.
 
@@ -532,7 +541,7 @@ class TransformdClient:
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def submit() -> CheckpointStatus:
-            return self._submit_when_accepted(source, target, scale_mode, select, engine, deadline)
+            return self._submit_when_accepted(source, target, scale_mode, select, engine, deadline, revision)
 
         status = submit()
         key = status.key
@@ -626,7 +635,7 @@ class TransformdClient:
 
     def _submit_when_accepted(
         self, source: str | os.PathLike[str], target: str, scale_mode: str, select: str | None, engine: str | None,
-        deadline: float | None,
+        deadline: float | None, revision: str | None = None,
     ) -> CheckpointStatus:
         """:meth:`submit`, retried while the daemon answers 503 (its conversion queue is full) until ``deadline``."""
         delay = 1.0
@@ -634,7 +643,8 @@ class TransformdClient:
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             try:
                 return self.submit(
-                    source, target=target, scale_mode=scale_mode, select=select, wait_s=left, engine=engine
+                    source, target=target, scale_mode=scale_mode, select=select, wait_s=left, engine=engine,
+                    revision=revision,
                 )
             except DaemonUnavailableError as err:
                 if deadline is not None and time.monotonic() >= deadline - 0.01:

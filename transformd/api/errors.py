@@ -7,10 +7,11 @@ to do. Client mistakes are 4xx, never 500:
 400    bad request: malformed JSON, unknown or missing fields, unknown target, bad key or lease id
 401    missing or wrong bearer token (TCP listener)
 403    source outside the allowed roots (also through a symlink), or unreadable by the daemon
-404    unknown key, file, lease, or source directory
+404    unknown key, file, lease, or source directory; a repo id not in the hub cache (repo_not_cached)
 409    conflict: entry leased (delete), conversion in progress (delete, lease), source changed
 413    request body too large
 422    invalid checkpoint (the message names the file, the tensor and the problem)
+502    a repo id could not be downloaded (``--allow-download`` only)
 503    conversion queue full, daemon shutting down, cache directory unusable
 507    the cache cannot hold the conversion (budget or disk full)
 =====  =====================================================================================
@@ -38,6 +39,7 @@ from ..cache import (
     SourceError,
 )
 from ..cache.securefs import OutsideRootsError, SourceNotDirectoryError, SourceNotFoundError, SourcePermissionError
+from ..hub import HubError
 
 log = logging.getLogger("transformd.api")
 
@@ -71,6 +73,8 @@ def error_for_exception(exc: BaseException) -> ApiError:
 
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, HubError):  # a repo id source: its status and code are its own (transformd.hub)
+        return ApiError(exc.status, exc.code, str(exc))
     if isinstance(exc, (MxFormatError, CheckpointError)):
         return ApiError(422, "invalid_checkpoint", f"invalid checkpoint: {exc}")
     if isinstance(exc, DiskFullError):

@@ -73,7 +73,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                     "and print the converted directory as the only line of standard output: "
                     'vllm serve "$(transformd resolve /models/X --engine vllm)".',
     )
-    resolve.add_argument("src", metavar="SRC", help="MXFP8 checkpoint directory, as the daemon sees it")
+    resolve.add_argument("src", metavar="SRC",
+                         help="MXFP8 checkpoint directory, as the daemon sees it, or a Hugging Face repo id org/Model "
+                              "(looked up in the daemon's hub cache; a path that exists here is a path)")
+    resolve.add_argument("--revision", metavar="REV",
+                         help="with a repo id: branch, tag or full commit hash in the hub cache (default main)")
     resolve.add_argument("--target", choices=TARGETS, default="auto",
                          help="auto (default): the daemon picks for --engine and its GPU (ocp for vllm, sglang, "
                               "transformers; for raw consumers fnuz on gfx94x, else ocp; the MXFP8 source itself on "
@@ -148,6 +152,7 @@ def run_resolve(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
                 reconnect_s=args.reconnect,
                 notice=reporter.notice,
+                revision=args.revision,
             )
     except TransformdError as err:
         reporter.close()

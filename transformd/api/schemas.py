@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..hub import MAX_REVISION_CHARS, REPO_ID_PATTERN, REVISION_PATTERN
 from ..selectre import SelectError, compile_select
 
 State = Literal["queued", "converting", "ready", "failed"]
@@ -29,9 +30,19 @@ class CheckpointRequest(BaseModel):
 
     source: str = Field(
         ...,
-        description="absolute path of the MXFP8 checkpoint directory, under an allowed root",
+        description="absolute path of the MXFP8 checkpoint directory, under an allowed root; or a Hugging Face "
+        "repo id namespace/name, looked up in the daemon's hub cache (see revision; transformd.hub)",
         # documented here, checked by the app (paths.SourcePolicy.check_syntax) with a message naming the problem
-        json_schema_extra={"minLength": 1, "maxLength": MAX_SOURCE_CHARS, "pattern": "^/[^\\u0000]*$"},
+        json_schema_extra={
+            "minLength": 1, "maxLength": MAX_SOURCE_CHARS, "pattern": "^/[^\\u0000]*$|" + REPO_ID_PATTERN
+        },
+    )
+    revision: str | None = Field(
+        None,
+        max_length=MAX_REVISION_CHARS,
+        description="with a repo id: a branch or tag the hub cache recorded, or a full commit hash (default main); "
+        "with a path: 422",
+        json_schema_extra={"pattern": REVISION_PATTERN},
     )
     target: Literal["auto", "fnuz", "ocp"] = Field(
         "auto",
@@ -65,6 +76,15 @@ class CheckpointRequest(BaseModel):
         if _NESTED_REPEAT.search(value):  # harmless under RE2; still refused, as documented before
             raise ValueError("nested repetition such as (a+)+ is refused (it can take exponential time)")
         return value
+
+
+class HubModel(BaseModel):
+    """A repo id source: what was asked for, and the snapshot directory of the hub cache it resolved to."""
+
+    repo_id: str
+    revision: str = Field(..., description="as asked for (default main)")
+    commit: str = Field(..., description="the commit hash of the snapshot")
+    snapshot: str = Field(..., description="the snapshot directory converted (the source)")
 
 
 class RecipeModel(BaseModel):
@@ -109,6 +129,7 @@ class CheckpointInfo(BaseModel):
     size_bytes: int | None = Field(None, description="bytes of the entry on disk (ready only)")
     recipe: RecipeModel | None = None
     source: str | None = Field(None, description="the source path it was converted from")
+    hub: HubModel | None = Field(None, description="the repo id asked for and its snapshot (repo id sources only)")
     progress: ProgressModel | None = None
     error: ErrorBody | None = Field(None, description="why it failed (failed only)")
     timings: dict[str, float] | None = Field(None, description="seconds per phase of the conversion (ready only)")
@@ -144,6 +165,7 @@ class FilesResponse(BaseModel):
     key: str
     state: State
     files: list[FileModel]
+    hub: HubModel | None = Field(None, description="the repo id this key was last asked for by, and its snapshot")
 
 
 class LeaseRequest(BaseModel):

@@ -11,11 +11,18 @@ setting (flag)                         environment variable                     
 ``cache_budget`` (``--cache-budget``)  ``TRANSFORMD_CACHE_BUDGET``                 the cache's ``config.json``
 ``allow_roots`` (``--allow-root``)     ``TRANSFORMD_ALLOW_ROOTS`` (``os.pathsep``)  none: every source is refused
 ``device`` (``--device``)              ``TRANSFORMD_DEVICE``                       ``auto``
+``hub_cache`` (``--hub-cache``)        ``TRANSFORMD_HUB_CACHE``                    ``HF_HUB_CACHE``, ``HF_HOME/hub``
+``allow_hub_cache``                    ``TRANSFORMD_ALLOW_HUB_CACHE``              off: repo ids need a root
+``allow_download``                     ``TRANSFORMD_ALLOW_DOWNLOAD``               off: never downloads
 ``max_concurrent_conversions``         ``TRANSFORMD_MAX_CONCURRENT_CONVERSIONS``   1
 ``max_queued_conversions``             ``TRANSFORMD_MAX_QUEUED_CONVERSIONS``       16
 ``max_lease_ttl_s``                    ``TRANSFORMD_MAX_LEASE_TTL_S``              7 days
 ``log_level`` (``--log-level``)        ``TRANSFORMD_LOG_LEVEL``                    ``info``
 =====================================  ==========================================  =============================
+
+Repo ids (``org/Model``, :mod:`transformd.hub`) are looked up in ``hub_cache`` only when it is an allowed
+root: inside an ``--allow-root``, or added by ``--allow-hub-cache``. ``--allow-download`` lets the daemon
+fetch a repo that is not cached (into ``hub_cache``, which must then be writable); without it, it never does.
 
 ``TRANSFORMD_TEST_HOOKS`` is not a setting: a test-only hook (slowed conversions, a log of converter runs) for
 the crash and load tests, described in :mod:`transformd.api.testing`; it is off unless set, and the daemon logs a
@@ -93,6 +100,9 @@ class Settings(BaseSettings):
         default_factory=list, description="directories sources must be under (after resolving symlinks)"
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    hub_cache: Path | None = Field(None, description="Hugging Face hub cache for repo ids (default: huggingface_hub's)")
+    allow_hub_cache: bool = Field(False, description="add the hub cache to the allowed roots")
+    allow_download: bool = Field(False, description="download repo ids that are not in the hub cache")
     max_concurrent_conversions: int = Field(1, ge=1, le=64)
     max_queued_conversions: int = Field(16, ge=0, le=100_000, description="conversions waiting for a worker")
     max_lease_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
@@ -140,7 +150,7 @@ class Settings(BaseSettings):
             out.append(p)
         return out
 
-    @field_validator("socket", "token_file", "cache_dir", mode="before")
+    @field_validator("socket", "token_file", "cache_dir", "hub_cache", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
@@ -176,6 +186,16 @@ class Settings(BaseSettings):
     def resolved_allow_roots(self) -> list[Path]:
         """The allowed roots with symlinks resolved (roots that do not exist yet are resolved as far as they do)."""
         return [Path(os.path.realpath(p)) for p in self.allow_roots]
+
+    def hub_cache_dir(self) -> Path:
+        """Where repo ids are looked up: ``hub_cache``, else huggingface_hub's cache (HF_HUB_CACHE, HF_HOME)."""
+        from ..hub import default_hub_cache
+
+        return (self.hub_cache.expanduser() if self.hub_cache is not None else default_hub_cache()).absolute()
+
+    def source_roots(self) -> list[Path]:
+        """The allowed roots, and the hub cache with ``allow_hub_cache``."""
+        return [*self.allow_roots, *([self.hub_cache_dir()] if self.allow_hub_cache else [])]
 
     def check(self) -> None:
         """Raise :class:`SettingsError` for combinations that cannot work."""
