@@ -36,7 +36,7 @@ def _start_daemon(sock: Path, cache: Path, models: Path, device: str) -> subproc
     cmd = [
         sys.executable,
         "-m",
-        "transformd.api.cli",
+        "transformd.cli.serve",
         "serve",
         "--socket",
         str(sock),

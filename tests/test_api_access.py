@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from transformd.api.app import create_app
-from transformd.api.settings import Settings, SettingsError
-from transformd.api.testing import DaemonThread, raw_request, short_tempdir, wait_ready
+from transformd.daemon.app import create_app
+from transformd.daemon.settings import Settings, SettingsError
+from transformd.daemon.testing import DaemonThread, raw_request, short_tempdir, wait_ready
 from transformd.cache.testing import CopyConverter, write_source
 
 pytestmark = pytest.mark.timeout(60)
@@ -216,8 +216,8 @@ def test_keys_and_names_cannot_reach_outside_the_cache(start, layout: dict[str, 
 def test_403_says_what_works(layout: dict[str, Path]) -> None:
     """The message names the rule (symlinks are resolved first), refuses the "link it under the root" idea and
     says which --allow-root would work, without naming or confirming the outside path (the trust model)."""
-    from transformd.api.errors import ApiError
-    from transformd.api.paths import SourcePolicy
+    from transformd.daemon.errors import ApiError
+    from transformd.daemon.paths import SourcePolicy
 
     policy = SourcePolicy([layout["models"]])
     real = os.path.realpath(layout["models"] / "link-out")

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from transformd.api.settings import Settings
-from transformd.api.testing import DaemonThread, metric_value, raw_request, short_tempdir, wait_ready
+from transformd.daemon.settings import Settings
+from transformd.daemon.testing import DaemonThread, metric_value, raw_request, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

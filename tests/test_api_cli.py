@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from transformd.api.cli import add_commands
-from transformd.api.settings import SYSTEM_SOCKET, Settings, SettingsError, default_socket_path
-from transformd.api.testing import short_tempdir
+from transformd.cli.serve import add_commands
+from transformd.daemon.settings import SYSTEM_SOCKET, Settings, SettingsError, default_socket_path
+from transformd.daemon.testing import short_tempdir
 from transformd.cache.testing import write_source
 
 pytestmark = pytest.mark.timeout(90)
@@ -61,7 +61,7 @@ def test_serve_process_on_socket_and_tcp_with_env_settings(tmp_path: Path) -> No
         TRANSFORMD_LOG_LEVEL="warning",
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transformd.api.cli", "serve", "--port", "0", "--max-concurrent-conversions", "2"],
+        [sys.executable, "-m", "transformd", "serve", "--port", "0", "--max-concurrent-conversions", "2"],
         env=env,
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -94,7 +94,7 @@ def test_serve_process_on_socket_and_tcp_with_env_settings(tmp_path: Path) -> No
 
 def test_serve_refuses_tcp_without_a_token(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "transformd.api.cli", "serve", "--port", "0", "--cache-dir", str(tmp_path / "c")],
+        [sys.executable, "-m", "transformd", "serve", "--port", "0", "--cache-dir", str(tmp_path / "c")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from transformd.api.settings import Settings
-from transformd.api.shards import ShardPriority, TransformdShardConverter
-from transformd.api.testing import DaemonThread, OrderedCopyConverter, metric_value, short_tempdir, wait_ready
+from transformd.daemon.settings import Settings
+from transformd.daemon.shards import ShardPriority, TransformdShardConverter
+from transformd.daemon.testing import DaemonThread, OrderedCopyConverter, metric_value, short_tempdir, wait_ready
 from transformd.cache.testing import CopyConverter, write_source
 from transformd.sample import write_sample_checkpoint
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from transformd.api.errors import ApiError
-from transformd.api.paths import SourcePolicy
+from transformd.daemon.errors import ApiError
+from transformd.daemon.paths import SourcePolicy
 
 
 def _source(d: Path) -> Path:

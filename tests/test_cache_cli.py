@@ -12,7 +12,8 @@ import time
 import pytest
 
 from transformd.cache import Cache
-from transformd.cache.cli import add_commands, main
+from transformd.cli import main
+from transformd.cli.cache import add_commands
 from transformd.cache.testing import CopyConverter, write_source
 
 
@@ -39,7 +40,7 @@ def test_add_commands_registers_on_an_outer_parser(tmp_path):
     add_commands(sub)
     args = parser.parse_args(["cache", "verify", "0" * 32, "--cache-dir", str(tmp_path)])
     assert args.command == "cache" and args.cache_command == "verify" and args.key == "0" * 32
-    assert args.cache_dir == str(tmp_path) and callable(args.func)
+    assert args.cache_dir == str(tmp_path) and callable(args.handler)
     with pytest.raises(SystemExit):
         parser.parse_args(["cache"])
 
@@ -148,7 +149,7 @@ def test_gc_and_rm(capsys, filled):
 def test_module_entry_point(tmp_path, filled):
     cache, _, entries = filled
     p = subprocess.run(
-        [sys.executable, "-m", "transformd.cache.cli", "cache", "ls", "--cache-dir", str(cache.root)],
+        [sys.executable, "-m", "transformd", "cache", "ls", "--cache-dir", str(cache.root)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -158,33 +158,19 @@ def test_sample_options_reach_the_checkpoint(tmp_path: Path, capsys) -> None:
     assert "model.layers.0.mlp.experts.down_proj.weight_scale_inv" in tensors
 
 
-def test_extension_commands(capsys) -> None:
-    """Another module adds a command group through add_commands(subparsers)."""
-
-    def add_commands(subparsers: argparse._SubParsersAction) -> None:
-        cache = subparsers.add_parser("extra")
-        group = cache.add_subparsers(dest="extra_command", required=True)
-        ls = group.add_parser("ls")
-        ls.set_defaults(handler=lambda args: print("listed") or 0)
-
-    parser = cli.build_parser(extensions=[add_commands])
-    args = parser.parse_args(["extra", "ls"])
-    assert args.handler(args) == 0 and capsys.readouterr().out == "listed\n"
-    args = parser.parse_args(["convert", "a", "--out", "b"])  # the built-in commands are still there
-    assert args.handler is cli._run_convert and args.out == Path("b") and args.target == "auto"
-
-
-def test_main_dispatches_extension_handlers(monkeypatch, capsys) -> None:
-    """main() runs an extension's handler, whether it is registered as handler= or func=."""
-    import types
-
-    def add_commands(subparsers: argparse._SubParsersAction) -> None:
-        subparsers.add_parser("hello").set_defaults(func=lambda args: print("hi") or 3)
-
-    monkeypatch.setitem(sys.modules, "fake_ext", types.SimpleNamespace(add_commands=add_commands))
-    monkeypatch.setattr(cli, "EXTENSION_MODULES", ("fake_ext",))
-    code, stdout, _ = _run(capsys, "hello")
-    assert code == 3 and stdout == ["hi"]
+def test_one_parser_holds_every_command_of_every_module() -> None:
+    """transformd.cli builds one parser from its command modules; each command's handler is its module's."""
+    parser = cli.build_parser()
+    where = {"convert": cli.convert, "sample": cli.convert, "inspect": cli.convert, "demo": cli.convert,
+             "serve": cli.serve, "resolve": cli.resolve, "health": cli.resolve}
+    for command, module in where.items():
+        args = parser.parse_args([command, "x"] if command in ("convert", "inspect", "resolve", "sample") else
+                                 [command])
+        assert args.handler.__module__ == module.__name__, command
+    args = parser.parse_args(["cache", "ls"])
+    assert args.handler.__module__ == cli.cache.__name__
+    args = parser.parse_args(["convert", "a", "--out", "b"])
+    assert args.handler is cli.convert._run_convert and args.out == Path("b") and args.target == "auto"
 
 
 def test_console_entry_point_in_a_process(tmp_path: Path) -> None:
@@ -192,7 +178,7 @@ def test_console_entry_point_in_a_process(tmp_path: Path) -> None:
     src = write_checkpoint(tmp_path / "src")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "transformd.cli", "convert", str(src), "--out", out, "--device", "cpu"]
+    cmd = [sys.executable, "-m", "transformd", "convert", str(src), "--out", out, "--device", "cpu"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == str(tmp_path / "out")

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.fake_daemon import FakeDaemon, ServerThread
-from transformd.api import resolve as resolve_cli
-from transformd.api.client import (
+from transformd.cli import resolve as resolve_cli
+from transformd.client import (
     CheckpointStatus,
     ConflictError,
     ConversionFailedError,
@@ -299,7 +299,7 @@ def test_cache_health_metrics(world, client):
 
 
 def test_error_classes_by_status():
-    from transformd.api.client import BadRequestError, CacheFullError, error_for_status
+    from transformd.client import BadRequestError, CacheFullError, error_for_status
 
     assert isinstance(error_for_status(400, "x"), BadRequestError)
     assert isinstance(error_for_status(422, "x"), InvalidCheckpointError)
@@ -322,7 +322,10 @@ def test_default_socket_path(tmp_path):
 
 
 def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "transformd.api.resolve", *argv], capture_output=True, text=True,
+    """``transformd resolve ...`` (``resolve`` is added unless the command is ``resolve`` or ``health``)."""
+    if argv[0] not in ("resolve", "health"):
+        argv = ("resolve", *argv)
+    return subprocess.run([sys.executable, "-m", "transformd", *argv], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, **(env or {})}, timeout=120)
 
 
@@ -403,13 +406,10 @@ def test_cli_health_degraded_exits_1_with_the_reasons_as_text(world, http_status
 
 
 def test_commands_register_on_the_main_parser(world, capsys):
-    """``transformd resolve`` / ``health`` through transformd.cli (the lead lists the module there)."""
+    """``transformd resolve`` / ``health`` through transformd.cli's parser."""
     from transformd import cli
 
-    if "transformd.api.resolve" in cli.EXTENSION_MODULES:
-        parser = cli.build_parser()
-    else:
-        parser = cli.build_parser(extensions=[resolve_cli.add_commands])
+    parser = cli.build_parser()
     args = parser.parse_args(["resolve", str(world["models"] / "good"), "--socket", str(world["socket"])])
     assert args.handler(args) == 0
     assert capsys.readouterr().out.splitlines() == [str(world["converted"])]

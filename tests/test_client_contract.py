@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.fake_daemon import FakeDaemon, ServerThread
-from transformd.api.client import ForbiddenError, NotFoundError, TransformdClient, UnauthorizedError
-from transformd.api.settings import Settings
-from transformd.api.testing import DaemonThread, OrderedCopyConverter
+from transformd.client import NotAllowedError, NotFoundError, TransformdClient, UnauthorizedError
+from transformd.daemon.settings import Settings
+from transformd.daemon.testing import DaemonThread, OrderedCopyConverter
 from transformd.cache.testing import write_source
 
 TOKEN = "contract-token-0123456789abcdef0123"
@@ -107,7 +107,7 @@ def test_tcp_without_the_token_is_401_unauthorized(world) -> None:
     ],
 )
 def test_sources_outside_the_allowed_roots_are_403_source_not_allowed(world, client, where) -> None:
-    with pytest.raises(ForbiddenError) as info:
+    with pytest.raises(NotAllowedError) as info:
         client.resolve(where(world), timeout=5)
     err = info.value
     assert (err.status, err.code) == (403, "source_not_allowed"), err.message

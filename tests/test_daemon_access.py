@@ -36,9 +36,9 @@ from typing import Any
 
 import pytest
 
-from transformd.api import middleware
-from transformd.api.settings import Settings
-from transformd.api.testing import DaemonThread, raw_request, short_tempdir, wait_ready
+from transformd.daemon import middleware
+from transformd.daemon.settings import Settings
+from transformd.daemon.testing import DaemonThread, raw_request, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
 
 pytestmark = pytest.mark.timeout(90)

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from transformd.api.client import DaemonUnavailableError, TransformdClient
-from transformd.api.testing import DaemonProcess, metric_value, short_tempdir
+from transformd.client import DaemonUnavailableError, TransformdClient
+from transformd.daemon.testing import DaemonProcess, metric_value, short_tempdir
 from transformd.cache import Cache
 from transformd.checkpoint import convert_checkpoint
 from transformd.sample import write_sample_checkpoint

@@ -26,8 +26,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
-from transformd.api.settings import Settings
-from transformd.api.testing import DaemonThread, short_tempdir, wait_ready
+from transformd.daemon.settings import Settings
+from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
 
 pytestmark = pytest.mark.timeout(180)
@@ -97,7 +97,7 @@ def _openapi_document() -> dict[str, Any]:
     """
     import tempfile
 
-    from transformd.api.app import create_app
+    from transformd.daemon.app import create_app
 
     with tempfile.TemporaryDirectory(prefix="tdf-schema-") as d:
         settings = Settings(socket=Path(d) / "s.sock", cache_dir=Path(d) / "c", device="cpu",

@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from transformd.api.client import TransformdClient
-from transformd.api.testing import DaemonProcess, metric_value, short_tempdir
+from transformd.client import TransformdClient
+from transformd.daemon.testing import DaemonProcess, metric_value, short_tempdir
 from transformd.sample import write_sample_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

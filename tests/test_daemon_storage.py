@@ -37,10 +37,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from transformd.api.client import TransformdClient, TransformdError
-from transformd.api.settings import Settings
-from transformd.api.shards import TransformdShardConverter
-from transformd.api.testing import DaemonThread, short_tempdir, wait_ready
+from transformd.client import TransformdClient, TransformdError
+from transformd.daemon.settings import Settings
+from transformd.daemon.shards import TransformdShardConverter
+from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.cache import Cache
 from transformd._durable import rmtree_force
 from transformd.loader import load_from_daemon

@@ -164,8 +164,8 @@ def test_dockerignore_keeps_the_context_small():
 def test_health_and_serve_are_commands():
     """The HEALTHCHECK and ENTRYPOINT name commands the CLI has (both registered on the main parser; a broken import fails here, it is not skipped)."""
     from transformd import cli
-    from transformd.api import cli as api_cli
-    from transformd.api import resolve
+    from transformd.cli import serve as api_cli
+    from transformd.cli import resolve
 
     parser = cli.build_parser()
     assert parser.parse_args(["health", "--quiet"]).handler is resolve.run_health

@@ -301,8 +301,8 @@ def test_minimax_m3_is_refused_for_vllm(tmp_path: Path) -> None:
 
 
 def _daemon(tmp_path: Path, models: Path, platform: Platform):
-    from transformd.api.settings import Settings
-    from transformd.api.testing import DaemonThread, short_tempdir
+    from transformd.daemon.settings import Settings
+    from transformd.daemon.testing import DaemonThread, short_tempdir
 
     run = short_tempdir()
     settings = Settings(socket=run / "td.sock", cache_dir=tmp_path / "cache", allow_roots=[models], device="cpu",
@@ -311,7 +311,7 @@ def _daemon(tmp_path: Path, models: Path, platform: Platform):
 
 
 def test_daemon_target_auto_engine_readiness_and_refusal(tmp_path: Path) -> None:
-    from transformd.api.testing import wait_ready
+    from transformd.daemon.testing import wait_ready
 
     models = tmp_path / "models"
     good = write_sample_checkpoint(models / "good", layers=1, experts=2)

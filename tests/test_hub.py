@@ -21,10 +21,9 @@ from pathlib import Path
 import pytest
 
 from transformd import hub
-from transformd.api import resolve as resolve_cli
-from transformd.api.client import NotFoundError, TransformdClient
-from transformd.api.settings import Settings
-from transformd.api.testing import DaemonThread, short_tempdir, wait_ready
+from transformd.client import NotFoundError, TransformdClient
+from transformd.daemon.settings import Settings
+from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.cli import main as cli_main
 from transformd.sample import write_sample_checkpoint
 
@@ -131,7 +130,7 @@ def test_the_environment_order_is_huggingface_hubs(hub_cache: Path, tmp_path: Pa
 def test_a_missing_repo_says_how_to_fetch_it(hub_cache: Path) -> None:
     with pytest.raises(hub.RepoNotCachedError) as info:
         hub.resolve_repo("org/Missing", "main", cache_dir=hub_cache)
-    assert (info.value.status, info.value.code) == (404, "repo_not_cached")
+    assert (info.value.http_status, info.value.code) == (404, "repo_not_cached")
     assert f"hf download org/Missing --revision main --cache-dir {hub_cache}" in str(info.value)
 
 
@@ -139,7 +138,7 @@ def test_a_missing_repo_says_how_to_fetch_it(hub_cache: Path) -> None:
 def test_a_missing_revision_says_so(hub_cache: Path, revision: str) -> None:
     with pytest.raises(hub.RevisionNotCachedError) as info:
         hub.resolve_repo(REPO_ID, revision, cache_dir=hub_cache)
-    assert (info.value.status, info.value.code) == (404, "revision_not_cached")
+    assert (info.value.http_status, info.value.code) == (404, "revision_not_cached")
     assert f"not at revision {revision}" in str(info.value) and f"--revision {revision}" in str(info.value)
 
 
@@ -166,7 +165,7 @@ def test_a_name_that_exists_here_is_a_path(tmp_path: Path, monkeypatch) -> None:
 def test_hostile_repo_ids_are_refused(repo_id: str) -> None:
     with pytest.raises(hub.InvalidRepoIdError) as info:
         hub.check_repo_id(repo_id)
-    assert info.value.status == 400
+    assert info.value.http_status == 400
 
 
 @pytest.mark.parametrize("repo_id", ["org/Model", "a" * 96 + "/" + "b" * 96, "_x/y_", "a__b/c_.-d", "Qwen/Qwen2.5-7B"])
@@ -179,7 +178,7 @@ def test_huggingface_hubs_repo_ids_are_accepted(repo_id: str) -> None:
 def test_hostile_revisions_are_refused_before_any_lookup(hub_cache: Path, revision: str) -> None:
     with pytest.raises(hub.HubError) as info:
         hub.resolve_repo(REPO_ID, revision, cache_dir=hub_cache)
-    assert (info.value.status, info.value.code) == (400, "bad_revision")
+    assert (info.value.http_status, info.value.code) == (400, "bad_revision")
 
 
 def test_a_ref_that_leads_out_of_the_snapshots_is_refused(tmp_path: Path) -> None:
@@ -213,7 +212,7 @@ def test_a_ref_record_that_could_block_or_leave_the_roots_is_not_read(tmp_path: 
     t.join(10)
     assert not t.is_alive(), "the lookup blocked on the ref record"
     (err,) = result
-    assert isinstance(err, hub.HubError) and (err.status, err.code) == (422, "invalid_source"), err
+    assert isinstance(err, hub.HubError) and (err.http_status, err.code) == (422, "invalid_source"), err
     assert str(tmp_path / "secret") not in str(err) and "/dev/zero" not in str(err)
 
 
@@ -225,20 +224,12 @@ def _catch(out: list[BaseException], fn) -> None:
 
 
 def test_the_hub_module_imports_neither_torch_nor_huggingface_hub() -> None:
-    """The client's side (transformd.hub, loaded on its own) stays light; huggingface_hub only when looking up."""
-    code = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('hub', 'transformd/hub.py')\n"
-        "m = sys.modules['hub'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        "assert m.is_repo_id('org/Model')\n"
-        "print(sorted(n for n in ('torch', 'huggingface_hub', 'transformd') if n in sys.modules))\n"
-    )
+    """The client's side (transformd.hub) stays light; huggingface_hub only when looking up."""
+    code = ("import sys, transformd.hub as m, transformd.client, transformd.cli.resolve, transformd.cli\n"
+            "assert m.is_repo_id('org/Model')\n"
+            "print(sorted(n for n in ('torch', 'huggingface_hub') if n in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out
-    code = ("import sys, transformd.api.client, transformd.api.resolve, transformd.cli; "
-            "print('huggingface_hub' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
-    assert out.stdout.strip() == "False", out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -369,15 +360,15 @@ def test_the_api_refuses_missing_and_hostile_repo_ids(daemon: DaemonThread, body
 def test_resolve_cli_passes_the_repo_id_and_revision_through(daemon: DaemonThread, hub_cache: Path,
                                                              capsys) -> None:
     sock = ["--socket", str(daemon.socket_path)]
-    assert resolve_cli.main(["resolve", REPO_ID, *sock]) == 0
+    assert cli_main(["resolve", REPO_ID, *sock]) == 0
     main = capsys.readouterr().out.strip()
-    assert resolve_cli.main(["resolve", REPO_ID, "--revision", "v2", *sock]) == 0
+    assert cli_main(["resolve", REPO_ID, "--revision", "v2", *sock]) == 0
     v2 = capsys.readouterr().out.strip()
     assert Path(main, "config.json").is_file() and Path(v2).is_dir() and main != v2
-    assert resolve_cli.main(["resolve", REPO_ID, "--revision", MAIN, *sock]) == 0
+    assert cli_main(["resolve", REPO_ID, "--revision", MAIN, *sock]) == 0
     assert capsys.readouterr().out.strip() == main
 
-    assert resolve_cli.main(["resolve", "org/Missing", *sock]) == 2
+    assert cli_main(["resolve", "org/Missing", *sock]) == 2
     assert "hf download org/Missing --revision main" in capsys.readouterr().err
     with TransformdClient(socket=daemon.socket_path) as td, pytest.raises(NotFoundError) as info:
         td.resolve(REPO_ID, revision="nope")

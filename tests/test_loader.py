@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.fake_daemon import FakeDaemon, ServerThread
-from transformd.api.client import ShardFile, TransformdClient
+from transformd.client import ShardFile, TransformdClient
 from transformd.checkpoint import convert_checkpoint
 from transformd.loader import LoadedTensors, load_from_daemon, load_tensors
 from transformd.safetensors_io import CheckpointError, SafetensorsWriter, read_header

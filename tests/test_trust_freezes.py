@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from transformd.api.settings import Settings
-from transformd.api.testing import DaemonProcess, DaemonThread, short_tempdir
+from transformd.daemon.settings import Settings
+from transformd.daemon.testing import DaemonProcess, DaemonThread, short_tempdir
 from transformd.sample import write_sample_checkpoint
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from transformd.api.settings import Settings
-from transformd.api.testing import DaemonThread, short_tempdir, wait_ready
+from transformd.daemon.settings import Settings
+from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
 
 from .test_trust_callers import NOBODY, as_uid

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from transformd.api.settings import Settings
-from transformd.api.testing import DaemonThread, short_tempdir
+from transformd.daemon.settings import Settings
+from transformd.daemon.testing import DaemonThread, short_tempdir
 from transformd.sample import write_sample_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

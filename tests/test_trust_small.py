@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from transformd.api.settings import Settings
-from transformd.api.testing import DaemonThread, raw_request, short_tempdir
+from transformd.daemon.settings import Settings
+from transformd.daemon.testing import DaemonThread, raw_request, short_tempdir
 
 pytestmark = pytest.mark.timeout(120)
 

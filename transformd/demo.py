@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .api.client import TransformdClient
+from .client import TransformdClient
 from .loader import load_from_daemon
 from .report import compare_checkpoints, compare_modes_checkpoint
 from .sample import write_sample_checkpoint

@@ -10,21 +10,28 @@ exception to its answer with :func:`http_error`, the CLI to its exit status with
 ::
 
     TransformdError                      500 internal_error       exit 1
-    +-- BadRequestError (ValueError)     400 bad_request          exit 2   settings, select, keys, ...
+    +-- BadRequestError (ValueError)     400 bad_request          exit 2   settings, select, cache keys, ...
     +-- UnauthorizedError                401 unauthorized         exit 2
     +-- NotAllowedError                  403 permission_denied    exit 2   source outside the roots, unreadable
     +-- NotFoundError (LookupError)      404 not_found            exit 2   source, entry, file, lease
     +-- ConflictError                    409 conflict             exit 2   leased entry, source changed
+    +-- SourceError (ValueError)         422 invalid_source       exit 2   the source directory (see cache.securefs)
+    |   +-- SourceChangedError           409 source_changed               (also a ConflictError)
     +-- InvalidCheckpointError (ValueError) 422 invalid_checkpoint exit 2
     |   +-- CheckpointError               (names the file and the tensor)
     |       +-- MxFormatError             (a weight/scale pair breaks the MXFP8 contract)
+    +-- ConversionFailedError            422 or 500               a conversion that ran (elsewhere) failed
     +-- CacheError                       503 cache_unavailable    exit 1
     |   +-- CacheFullError               507 cache_full
     |   |   +-- DiskFullError            507 disk_full
     |   +-- CacheTimeoutError            504 timeout
     +-- OutputError (OSError)            the ``--out`` directory cannot be written
     +-- DaemonUnavailableError           no answer from the daemon (client side)
+    +-- ResolveTimeoutError              the client gave up waiting (client side)
     +-- ServerError                      another 5xx answer (client side)
+
+Modules add leaves where they raise them (``cache.securefs``, ``cache.errors``, ``hub``, ``daemon.settings``),
+always under these classes, so the mapping below covers them without knowing them.
 
 This module imports nothing heavy: the client and the CLI's thin commands import it.
 """
@@ -84,7 +91,7 @@ class TransformdError(Exception):
         return str(self)
 
     @classmethod
-    def from_answer(cls, message: str, *, status: int, code: str | None) -> TransformdError:
+    def from_answer(cls, message: str, *, status: int | None, code: str | None) -> TransformdError:
         """This class, raised by the client from the daemon's answer (``status``, ``code``, ``message``)."""
         err = cls.__new__(cls)
         TransformdError.__init__(err, " ".join(str(message).split()))
@@ -117,6 +124,21 @@ class NotFoundError(TransformdError, LookupError):
 
 class ConflictError(TransformdError):
     code, http_status, exit_code = "conflict", 409, EXIT_BAD_INPUT
+
+
+class SourceError(TransformdError, ValueError):
+    """The source checkpoint directory is missing, empty, unreadable, or not what the request may use."""
+
+    code, http_status, exit_code = "invalid_source", 422, EXIT_BAD_INPUT
+
+
+class SourceChangedError(ConflictError, SourceError):
+    """The source changed while it was read or converted; the result was discarded."""
+
+    code = "source_changed"
+
+    def api_message(self) -> str:
+        return f"{self}; POST the checkpoint again once it is complete"
 
 
 class InvalidCheckpointError(TransformdError, ValueError):
@@ -152,6 +174,36 @@ class MxFormatError(CheckpointError):
     def located(self, *, tensor: str | None = None, file: str | None = None) -> MxFormatError:
         """The same error with a file and tensor name filled in where they were missing."""
         return MxFormatError(self.problem, tensor=self.tensor or tensor, file=self.file or file)
+
+
+#: Class names of the errors that mean "the checkpoint itself is invalid", also when another process failed on it.
+INVALID_INPUT_TYPES = frozenset({"MxFormatError", "CheckpointError", "SourceError"})
+
+
+class ConversionFailedError(TransformdError):
+    """A conversion ran and failed: another process' conversion this one waited for, or the daemon's.
+
+    ``error_type`` is the class name of the original exception (e.g. ``MxFormatError``), so a caller can tell
+    invalid input (answered 422) from an infrastructure failure (500); ``detail`` is its message.
+    """
+
+    code = "conversion_failed"
+    key: str | None = None
+    error_type: str | None = None
+    detail: str = ""
+
+    def __init__(self, message: str, *, key: str | None = None, error_type: str | None = None, detail: str = ""):
+        super().__init__(message)
+        self.key, self.error_type, self.detail = key, error_type, detail
+
+    def api_status(self) -> int:
+        return 422 if self.error_type in INVALID_INPUT_TYPES else 500
+
+    def api_code(self) -> str:
+        return "invalid_checkpoint" if self.error_type in INVALID_INPUT_TYPES else self.code
+
+    def api_message(self) -> str:
+        return f"invalid checkpoint: {self.detail}" if self.error_type in INVALID_INPUT_TYPES else str(self)
 
 
 class CacheError(TransformdError):
@@ -244,6 +296,12 @@ class DaemonUnavailableError(TransformdError):
     code = "daemon_unavailable"
 
 
+class ResolveTimeoutError(TransformdError, TimeoutError):
+    """The client gave up waiting (its ``timeout``); the conversion goes on in the daemon."""
+
+    code = "timeout"
+
+
 class ServerError(TransformdError):
     """The daemon answered with a 5xx that no other class names: it failed."""
 
@@ -255,23 +313,10 @@ def exit_code(err: BaseException) -> int:
     return EXIT_FAILURE
 
 
-def error_class(status: int, code: str | None) -> type[TransformdError]:
-    """The class the client raises for the daemon's answer: by ``code`` where a class owns it, else by status."""
-    by_code = _classes_by_code()
-    if code in by_code:
-        return by_code[code]
+def error_class(status: int) -> type[TransformdError]:
+    """The class the client raises for an answer with HTTP ``status`` (the daemon's code rides on the instance)."""
     for cls in (BadRequestError, UnauthorizedError, NotAllowedError, NotFoundError, ConflictError,
-                InvalidCheckpointError, CacheFullError, CacheTimeoutError):
+                InvalidCheckpointError, CacheFullError):
         if cls.http_status == status:
             return cls
     return ServerError if status >= 500 else TransformdError
-
-
-def _classes_by_code() -> dict[str, type[TransformdError]]:
-    found: dict[str, type[TransformdError]] = {}
-    todo: list[type[TransformdError]] = [TransformdError]
-    while todo:
-        cls = todo.pop()
-        found.setdefault(cls.code, cls)
-        todo.extend(cls.__subclasses__())
-    return found

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from .errors import EXIT_FAILURE, SourceError
+
 __all__ = [
     "DEFAULT_REVISION",
     "DownloadError",
@@ -85,10 +87,10 @@ _MAX_REF_BYTES = 1024
 _MAX_REPO_ENTRIES = 100_000
 
 
-class HubError(ValueError):
-    """A repo id or revision that cannot be used. ``status`` and ``code`` are the daemon's HTTP answer."""
+class HubError(SourceError):
+    """A repo id or revision that cannot be used. ``http_status`` and ``code`` are the daemon's HTTP answer."""
 
-    status = 400
+    http_status = 400
     code = "bad_source"
 
 
@@ -103,21 +105,21 @@ class InvalidRevisionError(HubError):
 class RevisionWithoutRepoError(HubError):
     """A revision was given with a directory: it applies to repo ids only."""
 
-    status = 422
+    http_status = 422
     code = "revision_needs_repo_id"
 
 
 class HubNotAllowedError(HubError):
     """The daemon's hub cache is not an allowed root."""
 
-    status = 403
+    http_status = 403
     code = "source_not_allowed"
 
 
 class RepoNotCachedError(HubError):
     """The repo is not in the local hub cache."""
 
-    status = 404
+    http_status = 404
     code = "repo_not_cached"
 
 
@@ -130,7 +132,7 @@ class RevisionNotCachedError(RepoNotCachedError):
 class DownloadError(HubError):
     """``--allow-download``: fetching from the Hub failed (no such repo or revision, no access, no network)."""
 
-    status = 502
+    http_status, exit_code = 502, EXIT_FAILURE
     code = "download_failed"
 
 
@@ -233,7 +235,7 @@ def _check_repo_folder(storage: str, revision: str, roots: Sequence[str] | None)
             f"the hub cache folder of this repo holds {rel!r}, which is not a plain file or directory inside the "
             "allowed roots; the daemon does not read it (remove it, or fetch the repo again)"
         )
-        err.status, err.code = 422, "invalid_source"
+        err.http_status, err.code = 422, "invalid_source"
         return err
 
     if roots is not None and not _inside(os.path.realpath(storage), roots):
@@ -340,7 +342,7 @@ def download_repo(
         missing = type(e).__name__ in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError")
         err = DownloadError(f"cannot download {repo_id} at {revision}: {type(e).__name__}: {str(e)[:500]}")
         if missing:
-            err.status, err.code = 404, "repo_not_found"
+            err.http_status, err.code = 404, "repo_not_found"
         raise err from None
     storage = os.path.join(cache, repo_folder_name(repo_id=repo_id, repo_type="model"))
     return _source_of(repo_id, revision, found, storage)

@@ -53,13 +53,13 @@ import torch
 from .safetensors_io import DTYPE_BITS, TORCH_DTYPES, CheckpointError, read_header
 
 if TYPE_CHECKING:
-    from .api.client import ShardFile, TransformdClient
+    from .client import ShardFile, TransformdClient
 
 __all__ = ["LoadedTensors", "MappedFile", "load_from_daemon", "load_tensors"]
 
 #: What :func:`load_tensors` accepts: a checkpoint directory or a .safetensors file; a list of those
 #: files; the daemon's ``/files`` answer (``{"files": [...]}``), its list of file objects, or
-#: :class:`transformd.api.client.ShardFile` objects.
+#: :class:`transformd.client.ShardFile` objects.
 FilesOrDir = Union[str, os.PathLike, Mapping[str, Any], Iterable[Any]]
 
 
@@ -116,7 +116,7 @@ def load_tensors(
 
     ``files_or_dir`` is a checkpoint directory (its ``*.safetensors`` files), a file, a list of
     files, or the daemon's ``/files`` answer (the dict, its ``files`` list, or
-    :class:`~transformd.api.client.ShardFile` objects) whose tensor tables are used as they are.
+    :class:`~transformd.client.ShardFile` objects) whose tensor tables are used as they are.
     Unknown ``names`` raise :class:`KeyError`; a malformed file or table raises
     :class:`~transformd.safetensors_io.CheckpointError`. See the module docstring for lifetime,
     writes and page-cache sharing.
@@ -175,7 +175,7 @@ def load_from_daemon(
     shard at a time, so mapping the first shards overlaps converting the last. With ``names``,
     only the shards that hold those tensors are waited for. Without ``wait`` a shard that is not
     ready raises :class:`ValueError`. ``timeout`` bounds the whole wait
-    (:class:`~transformd.api.client.ResolveTimeoutError`).
+    (:class:`~transformd.client.ResolveTimeoutError`).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     wanted = None if names is None else set(names)

@@ -22,14 +22,18 @@ import re
 
 import re2
 
+from .errors import BadRequestError
+
 #: Longest pattern accepted.
 MAX_SELECT_CHARS = 1000
 
 _REPEATS = {_sre_c.MAX_REPEAT, _sre_c.MIN_REPEAT, getattr(_sre_c, "POSSESSIVE_REPEAT", None)} - {None}
 
 
-class SelectError(ValueError):
+class SelectError(BadRequestError):
     """The pattern is refused; the message says why."""
+
+    code = "bad_select"
 
 
 def _walk(items: Any, depth: int, counts: list[int]) -> None:

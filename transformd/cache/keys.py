@@ -47,7 +47,7 @@ import blake3
 
 from ..formats import FORMAT_VERSION, ScaleMode, Target
 from .._durable import read_json, write_json_atomic
-from .errors import InvalidKeyError, SourceError
+from .errors import InvalidKeyError, SourceChangedError, SourceError
 from .securefs import SourceTree, open_source
 
 #: Version of the key derivation itself (bump when the canonical form changes).
@@ -402,7 +402,7 @@ def identity_of_tree(
             except OSError:
                 after = None
             if after != sig:
-                raise SourceError(
+                raise SourceChangedError(
                     f"{os.path.join(tree.src, rel)} changed while it was being read; try again when it is complete"
                 )
             if st.st_mtime_ns < started - RACY_WINDOW_NS:

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SourceError
+from ..errors import BadRequestError, NotAllowedError, NotFoundError, SourceError
 
 #: Flags of every open of a source file: never blocks (FIFO), never becomes a controlling terminal.
 OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -44,20 +44,31 @@ LOCAL_DIR_META = (".cache", "huggingface", "download")
 MAX_META_BYTES = 4096
 
 
-class OutsideRootsError(SourceError):
+class OutsideRootsError(NotAllowedError, SourceError):
     """A path (or something it leads to) is outside the allowed roots. Says nothing about what lies there."""
 
+    code = "source_not_allowed"
 
-class SourceNotFoundError(SourceError):
+
+class SourceNotFoundError(NotFoundError, SourceError):
     """The source directory does not exist (said only for paths inside the roots)."""
 
+    code = "source_not_found"
 
-class SourceNotDirectoryError(SourceError):
+
+class SourceNotDirectoryError(BadRequestError, SourceError):
     """The source is not a directory."""
 
+    code = "bad_source"
 
-class SourcePermissionError(SourceError):
+    def api_message(self) -> str:
+        return f"{self}; give the checkpoint directory"
+
+
+class SourcePermissionError(NotAllowedError, SourceError):
     """The daemon itself may not open a source file or directory inside the roots."""
+
+    code = "permission_denied"
 
 
 class NotRegularError(SourceError):

@@ -38,7 +38,7 @@ from .errors import (
     EntryLeasedError,
     EntryNotFoundError,
     NotACacheError,
-    SourceError,
+    SourceChangedError,
 )
 from .keys import (
     KEY_HEX_LEN,
@@ -669,8 +669,10 @@ class Cache:
                     if wait_started is not None:
                         failure = self._failure(key)
                         if failure is not None and failure.get("at", 0) >= wait_started:
+                            error_type, detail = str(failure.get("error_type")), str(failure.get("message"))
                             raise ConversionFailedError(
-                                key, str(failure.get("error_type")), str(failure.get("message"))
+                                f"conversion of cache key {key} failed in another process: {error_type}: {detail}",
+                                key=key, error_type=error_type, detail=detail,
                             )
                     self._convert_locked(
                         key,
@@ -751,7 +753,7 @@ class Cache:
             self._hook("converted")
             changed = tree.changed()
             if changed:
-                raise SourceError(
+                raise SourceChangedError(
                     f"source checkpoint {src} changed while it was converted ({', '.join(changed[:5])}"
                     f"{' ...' if len(changed) > 5 else ''}); the result was discarded"
                 )

@@ -14,7 +14,7 @@ State = Literal["queued", "converting", "ready", "failed"]
 
 #: Longest ``holder`` of a lease.
 MAX_HOLDER_CHARS = 200
-#: Longest ``source`` path (the same as :data:`transformd.api.paths.MAX_PATH_CHARS`).
+#: Longest ``source`` path (the same as :data:`transformd.daemon.paths.MAX_PATH_CHARS`).
 MAX_SOURCE_CHARS = 4096
 #: Longest ``select`` regular expression.
 MAX_SELECT_CHARS = 1000

@@ -27,7 +27,7 @@ converter adapter), :mod:`.files` (tensor tables), :mod:`.views` (state bodies),
 (allowed roots), :mod:`.middleware` (token, body limit), :mod:`.errors`, :mod:`.metrics`,
 :mod:`.schemas`, :mod:`.testing` (a daemon in a thread, for tests and benchmarks).
 
-Nothing here is imported eagerly: a client that imports ``transformd.api.client`` does not load
+Nothing here is imported eagerly: a client that imports ``transformd.client`` does not load
 FastAPI or uvicorn.
 """
 

@@ -19,7 +19,6 @@ HEALTHCHECK uses it), and 1 when it is degraded (the reasons are printed as text
 or cannot be reached. ``--allow-degraded`` exits 0 for a degraded daemon too (a liveness probe: a
 degraded daemon still serves what it has cached, and restarting it does not mend a read-only disk).
 
-``python -m transformd.api.resolve SRC ...`` runs ``resolve`` on its own.
 """
 
 from __future__ import annotations
@@ -27,11 +26,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ..engines import TARGET_CHOICES, Engine, readiness_line
-from .client import (
+from ..client import (
     DEFAULT_RECONNECT_S,
     ENV_SOCKET,
     ENV_TOKEN_FILE,
@@ -39,12 +36,11 @@ from .client import (
     TransformdClient,
     TransformdError,
 )
+from ..engines import TARGET_CHOICES, Engine, readiness_line
+from ..progress import human_bytes
+from .common import EXIT_FAILURE, EXIT_OK, exit_code, fail
 
-__all__ = ["ProgressReporter", "add_commands", "main", "run_health", "run_resolve"]
-
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_BAD_INPUT = 2
+__all__ = ["ProgressReporter", "add_commands", "run_health", "run_resolve"]
 
 TARGETS = TARGET_CHOICES
 ENGINES = tuple(e.value for e in Engine)
@@ -52,7 +48,7 @@ SCALE_MODES = ("exact", "amax")
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``resolve`` and ``health`` (handlers in ``handler``/``func``, as :mod:`transformd.cli` expects)."""
+    """Register ``resolve`` and ``health`` (handlers in ``handler``, as :mod:`transformd.cli` expects)."""
     connection = argparse.ArgumentParser(add_help=False)
     where = connection.add_mutually_exclusive_group()
     where.add_argument("--socket", metavar="PATH",
@@ -98,7 +94,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     resolve.add_argument("--poll-interval", metavar="S", type=float, default=0.5, help=argparse.SUPPRESS)
     resolve.add_argument("--progress-every", metavar="S", type=float, default=5.0,
                          help="seconds between progress lines when standard error is not a terminal (default 5)")
-    resolve.set_defaults(handler=run_resolve, func=run_resolve)
+    resolve.set_defaults(handler=run_resolve)
 
     health = subparsers.add_parser(
         "health",
@@ -112,22 +108,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     health.add_argument("--allow-degraded", action="store_true",
                         help="exit 0 for a degraded daemon too (still printing why): for liveness probes, since a "
                              "degraded daemon still serves its cache and a restart does not mend its disk")
-    health.set_defaults(handler=run_health, func=run_health)
+    health.set_defaults(handler=run_health)
 
 
 def _client(args: argparse.Namespace) -> TransformdClient:
     return TransformdClient(socket=args.socket, url=args.url, token_file=args.token_file,
                             timeout=args.request_timeout)
-
-
-def _exit_code(err: TransformdError) -> int:
-    return EXIT_BAD_INPUT if err.is_client_error else EXIT_FAILURE
-
-
-def _fail(err: BaseException, code: int, stream: TextIO | None = None) -> int:
-    message = " ".join(str(err).split()) or type(err).__name__
-    print(f"transformd: error: {message}", file=stream or sys.stderr)
-    return code
 
 
 def run_resolve(args: argparse.Namespace) -> int:
@@ -156,10 +142,10 @@ def run_resolve(args: argparse.Namespace) -> int:
             )
     except TransformdError as err:
         reporter.close()
-        return _fail(err, _exit_code(err))
+        return fail(err, exit_code(err))
     except KeyboardInterrupt:
         reporter.close()
-        return _fail("interrupted (the conversion goes on in the daemon)", 130)
+        return fail("interrupted (the conversion goes on in the daemon)", 130)
     reporter.close()
     if last:
         _say_target_and_readiness(last[0].raw, args.engine)
@@ -184,7 +170,7 @@ def run_health(args: argparse.Namespace) -> int:
         with _client(args) as client:
             data = client.health(degraded_ok=True)
     except TransformdError as err:
-        return _fail(err, EXIT_FAILURE)
+        return fail(err, EXIT_FAILURE)
     status = str(data.get("status", "ok"))
     problems = [" ".join(str(p).split()) for p in (data.get("problems") or [])]
     if not args.quiet or status.lower() != "ok":
@@ -195,7 +181,7 @@ def run_health(args: argparse.Namespace) -> int:
     if status.lower() == "degraded" and getattr(args, "allow_degraded", False):
         print(f"transformd: warning: transformd at {client.where} is degraded: {reasons}", file=sys.stderr)
         return EXIT_OK
-    return _fail(f"transformd at {client.where} is {status}: {reasons}", EXIT_FAILURE)
+    return fail(f"transformd at {client.where} is {status}: {reasons}", EXIT_FAILURE)
 
 
 class ProgressReporter:
@@ -268,38 +254,12 @@ def describe(status: CheckpointStatus) -> str:
         return status.state
     parts = [p.phase] if p.phase and p.phase != status.state else []
     if p.bytes_total:
-        done = _human(p.bytes_done or 0)
-        parts.append(f"{done}/{_human(p.bytes_total)} ({p.fraction:.0%})")
+        done = human_bytes(p.bytes_done or 0)
+        parts.append(f"{done}/{human_bytes(p.bytes_total)} ({p.fraction:.0%})")
     if p.tensors_total:
         parts.append(f"{p.tensors_done or 0}/{p.tensors_total} tensors")
     if p.rate_bytes_per_s:
-        parts.append(f"{_human(p.rate_bytes_per_s)}/s")
+        parts.append(f"{human_bytes(p.rate_bytes_per_s)}/s")
     if p.eta_s is not None and status.state == "converting":
         parts.append(f"~{p.eta_s:.0f}s left")
     return f"{status.state} " + ", ".join(parts) if parts else status.state
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m transformd.api.resolve [resolve] SRC ...`` (or ``health ...``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("resolve", "health", "-h", "--help"):
-        argv.insert(0, "resolve")
-    parser = argparse.ArgumentParser(prog="transformd")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
-    return int(args.handler(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

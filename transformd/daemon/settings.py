@@ -25,7 +25,7 @@ root: inside an ``--allow-root``, or added by ``--allow-hub-cache``. ``--allow-d
 fetch a repo that is not cached (into ``hub_cache``, which must then be writable); without it, it never does.
 
 ``TRANSFORMD_TEST_HOOKS`` is not a setting: a test-only hook (slowed conversions, a log of converter runs) for
-the crash and load tests, described in :mod:`transformd.api.testing`; it is off unless set, and the daemon logs a
+the crash and load tests, described in :mod:`transformd.daemon.testing`; it is off unless set, and the daemon logs a
 warning when it is on. Never set it in production.
 
 Callers (see :mod:`.peers`): on the unix socket, the peer's uid and groups from the kernel; every TCP token holder
@@ -49,6 +49,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ..errors import BadRequestError
 from .peers import Caller, daemon_identity
 
 #: Environment variable prefix of every setting.
@@ -63,8 +64,10 @@ MAX_TOKEN_BYTES = 4096
 MIN_TOKEN_CHARS = 16
 
 
-class SettingsError(ValueError):
+class SettingsError(BadRequestError):
     """The settings cannot work (e.g. TCP without a token); the message says what to change."""
+
+    code = "bad_settings"
 
 
 def default_socket_path(explicit: str | os.PathLike[str] | None = None) -> Path:

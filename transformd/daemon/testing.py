@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 #: Test-only environment variable (a JSON object, see the module docstring); unset in production.
 TEST_HOOKS_ENV = "TRANSFORMD_TEST_HOOKS"
 
-log = logging.getLogger("transformd.api")
+log = logging.getLogger("transformd.daemon")
 
 
 class TestHooks:

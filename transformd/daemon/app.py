@@ -2,7 +2,7 @@
 
 :func:`create_app` builds one app per daemon (its own cache handle, service, metrics registry).
 Every handler that touches the file system does it in a worker thread; conversions run in the
-service's threads. See :mod:`transformd.api` for the endpoints and :mod:`.errors` for the status codes.
+service's threads. See :mod:`transformd.daemon` for the endpoints and :mod:`.errors` for the status codes.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from .settings import Settings
 from .shards import TransformdShardConverter
 from .views import entry_view, foreign_view, job_file, job_files, job_view, passthrough_view
 
-log = logging.getLogger("transformd.api")
+log = logging.getLogger("transformd.daemon")
 
 #: Seconds between two refreshes of the cache size gauges by /metrics.
 GAUGE_REFRESH_S = 2.0

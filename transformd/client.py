@@ -2,7 +2,7 @@
 
 This is what an engine's start-up hook uses::
 
-    from transformd.api.client import TransformdClient
+    from transformd.client import TransformdClient
 
     with TransformdClient() as td:                       # $TRANSFORMD_SOCKET, ... (see below)
         path = td.resolve("/models/X", target="ocp")     # waits for the conversion; a Path
@@ -19,9 +19,12 @@ Transport, first that applies:
 * ``$XDG_RUNTIME_DIR/transformd.sock`` when it exists (or when ``/run/transformd/transformd.sock``
   does not), else ``/run/transformd/transformd.sock``.
 
-Every failure is a :class:`TransformdError` carrying ``status`` (the HTTP status, or ``None`` when
-the daemon could not be reached), ``code`` (the daemon's error code) and ``message`` (one line a
-person can act on). Subclasses name the common cases so callers can ``except`` them.
+Every failure is a :class:`~transformd.errors.TransformdError` carrying ``status`` (the HTTP status, or
+``None`` when the daemon could not be reached), ``code`` (the daemon's error code) and ``message`` (one
+line a person can act on). The classes are those of :mod:`transformd.errors`, the same the library and the
+daemon raise, so callers ``except`` them by case (``CacheFullError``, ``InvalidCheckpointError``, ...).
+
+This module imports no torch (and nothing of the daemon): engines call it at every start.
 """
 
 from __future__ import annotations
@@ -37,6 +40,22 @@ from typing import Any
 
 import httpx
 
+from .errors import (
+    BadRequestError,
+    CacheFullError,
+    ConflictError,
+    ConversionFailedError,
+    DaemonUnavailableError,
+    InvalidCheckpointError,
+    NotAllowedError,
+    NotFoundError,
+    ResolveTimeoutError,
+    ServerError,
+    TransformdError,
+    UnauthorizedError,
+    error_class,
+)
+
 __all__ = [
     "DEFAULT_RECONNECT_S",
     "DEFAULT_SOCKET",
@@ -48,7 +67,7 @@ __all__ = [
     "ConflictError",
     "ConversionFailedError",
     "DaemonUnavailableError",
-    "ForbiddenError",
+    "NotAllowedError",
     "InvalidCheckpointError",
     "LeaseInfo",
     "NotFoundError",
@@ -78,90 +97,10 @@ _DAEMON_STOPPING_CODES = frozenset({"cancelled", "shutting_down"})
 _API = "/v1"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Errors
-
-
-class TransformdError(Exception):
-    """A request to the daemon failed. ``status`` is the HTTP status (``None``: no answer)."""
-
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
-        self.status = status
-        self.code = code
-        #: Seconds the daemon asked to wait before retrying (its ``Retry-After`` header), if any.
-        self.retry_after: float | None = None
-        self.message = " ".join(str(message).split()) or type(self).__name__
-        super().__init__(self.message)
-
-    @property
-    def is_client_error(self) -> bool:
-        """True for 4xx answers: the request (the source, its recipe, the key) is the problem."""
-        return self.status is not None and 400 <= self.status < 500
-
-    def __str__(self) -> str:
-        where = f" (HTTP {self.status}" + (f", {self.code})" if self.code else ")") if self.status else ""
-        return f"{self.message}{where}"
-
-
-class DaemonUnavailableError(TransformdError):
-    """The daemon could not be reached (no socket, connection refused, timed out)."""
-
-
-class BadRequestError(TransformdError):
-    """400: malformed request (unknown target, bad select regex, ...)."""
-
-
-class UnauthorizedError(TransformdError):
-    """401: TCP without (or with a wrong) bearer token."""
-
-
-class ForbiddenError(TransformdError):
-    """403: the source is outside the daemon's allowed roots."""
-
-
-class NotFoundError(TransformdError):
-    """404: unknown key, file or lease (or a source path that does not exist)."""
-
-
-class ConflictError(TransformdError):
-    """409: e.g. deleting an entry that is leased or being converted."""
-
-
-class InvalidCheckpointError(TransformdError):
-    """422: the source is not a convertible MXFP8 checkpoint; the message names file, tensor, problem."""
-
-
-class CacheFullError(TransformdError):
-    """507: the cache cannot hold the converted checkpoint within its budget."""
-
-
-class ServerError(TransformdError):
-    """5xx other than 507: the daemon failed."""
-
-
-class ConversionFailedError(TransformdError):
-    """The conversion ran and failed; ``status``/``code`` are those the daemon recorded (e.g. 422)."""
-
-
-class ResolveTimeoutError(TransformdError):
-    """:meth:`TransformdClient.resolve` gave up waiting (its ``timeout``); the conversion goes on."""
-
-
-_BY_STATUS: dict[int, type[TransformdError]] = {
-    400: BadRequestError,
-    401: UnauthorizedError,
-    403: ForbiddenError,
-    404: NotFoundError,
-    409: ConflictError,
-    422: InvalidCheckpointError,
-    507: CacheFullError,
-}
-
-
 def error_for_status(status: int, message: str, code: str | None = None) -> TransformdError:
-    """The :class:`TransformdError` subclass for an HTTP status."""
-    cls = _BY_STATUS.get(status) or (ServerError if status >= 500 else TransformdError)
-    return cls(message, status=status, code=code)
+    """The error the client raises for the daemon's answer: its class by HTTP status (:mod:`transformd.errors`),
+    the daemon's ``code`` and ``message`` on it."""
+    return error_class(status).from_answer(message, status=status, code=code)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -225,7 +164,7 @@ class CheckpointStatus:
         error = None
         if isinstance(err, Mapping):
             status = err.get("status")
-            error = ConversionFailedError(
+            error = ConversionFailedError.from_answer(
                 str(err.get("message") or "conversion failed"),
                 status=status if isinstance(status, int) else None,
                 code=err.get("code"),
@@ -449,8 +388,10 @@ class TransformdClient:
         try:
             return response.json()
         except ValueError as err:
-            raise ServerError(f"transformd answered {response.request.url.path} with non-JSON: {response.text[:200]!r}",
-                              status=response.status_code) from err
+            raise ServerError.from_answer(
+                f"transformd answered {response.request.url.path} with non-JSON: {response.text[:200]!r}",
+                status=response.status_code, code=None,
+            ) from err
 
     # -- checkpoints ----------------------------------------------------------------------------------------------------
 
@@ -481,7 +422,7 @@ class TransformdClient:
         A Hugging Face repo id (``org/Model``, :func:`transformd.hub.is_repo_id`: not a path here) is sent as it
         is, with ``revision``: the daemon looks it up in its hub cache.
         """
-        from ..hub import is_repo_id
+        from .hub import is_repo_id
 
         body = {
             "source": source if is_repo_id(source) else os.path.abspath(os.fspath(source)),
@@ -578,7 +519,7 @@ class TransformdClient:
                 if status.failed:
                     err = status.error
                     if not (reconnect_s > 0 and err is not None and err.code in _DAEMON_STOPPING_CODES):
-                        raise err or ConversionFailedError(f"conversion of {source} failed", code="failed")
+                        raise err or ConversionFailedError.from_answer(f"conversion of {source} failed", status=None, code="failed")
                     went_away("is stopping (it cancelled the conversion)", last_seen)
                     status = None  # the daemon is stopping: wait for its successor and ask it again
             if deadline is not None and time.monotonic() + delay > deadline:
@@ -586,13 +527,11 @@ class TransformdClient:
                     raise ResolveTimeoutError(
                         f"gave up waiting for {source} after {timeout:g}s: the daemon at {self.where} went away "
                         f"while entry {key} was converting and has not answered since",
-                        code="timeout",
                     )
                 done = f" ({status.progress.fraction:.0%} done)" if status.progress and status.progress.fraction else ""
                 raise ResolveTimeoutError(
                     f"gave up waiting for {source} after {timeout:g}s: entry {status.key} is {status.state}{done}; "
                     f"the conversion goes on in the daemon",
-                    code="timeout",
                 )
             time.sleep(delay)
             delay = min(poll_interval, delay * 2)
@@ -625,11 +564,11 @@ class TransformdClient:
                     if reconnect_s > 0:
                         went_away("went away", last_seen)
                 if now - unreachable_since >= reconnect_s:
-                    raise DaemonUnavailableError(
+                    raise DaemonUnavailableError.from_answer(
                         f"transformd at {self.where} went away while entry {key} of {source} was converting and did "
                         f"not answer again within {reconnect_s:g}s ({err.message}); the conversion is lost with it: "
                         f"resolve again once the daemon is back",
-                        code="daemon_gone",
+                        status=None, code="daemon_gone",
                     ) from err
                 status = None
 
@@ -651,7 +590,6 @@ class TransformdClient:
                     raise ResolveTimeoutError(
                         f"gave up waiting for {source}: the daemon was still identifying it (reading the checkpoint "
                         f"to key it) when the timeout ran out; it goes on in the daemon",
-                        code="timeout",
                     ) from err
                 raise
             except ServerError as err:
@@ -697,7 +635,7 @@ class TransformdClient:
             if shard.ready or not wait:
                 return shard
             if deadline is not None and time.monotonic() >= deadline:
-                raise ResolveTimeoutError(f"shard {name} of {key} not ready after {timeout:g}s", code="timeout")
+                raise ResolveTimeoutError(f"shard {name} of {key} not ready after {timeout:g}s")
             entry = self.status(key)
             if entry.failed:
                 raise entry.error or ConversionFailedError(f"conversion of {key} failed")

@@ -11,7 +11,8 @@ from typing import Any
 
 from ..cache import ConversionStatus
 from ..safetensors_io import CheckpointError
-from .errors import INVALID_INPUT_TYPES, ApiError
+from ..errors import INVALID_INPUT_TYPES
+from .errors import ApiError
 from .files import EntryIndex, EntryInfo, file_object
 from .service import FINISHED_TTL_S, Job, ProgressInfo, progress_from_detail
 from .shards import is_shard_file

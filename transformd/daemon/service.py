@@ -37,7 +37,7 @@ from .metrics import Metrics
 from .paths import SourcePolicy
 from .shards import ConversionOutline, ShardPriority, bind_shard_order, plan_of
 
-log = logging.getLogger("transformd.api")
+log = logging.getLogger("transformd.daemon")
 
 #: How long a finished job (its error, its timings) stays visible to ``GET /v1/checkpoints/{key}``.
 FINISHED_TTL_S = 3600.0

@@ -1,7 +1,6 @@
 """``transformd serve``: run the daemon. Flags override ``TRANSFORMD_*`` environment variables.
 
-:func:`add_commands` registers ``serve`` on the main CLI's subparsers (list ``transformd.api.cli`` in
-``transformd.cli.EXTENSION_MODULES``); ``python -m transformd.api.cli serve ...`` runs it on its own.
+:func:`add_commands` registers ``serve`` on the main CLI's subparsers.
 """
 
 from __future__ import annotations
@@ -9,17 +8,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_BAD_INPUT = 2
+from .common import EXIT_BAD_INPUT
 
 
 def _settings_from_args(args: argparse.Namespace) -> Any:
-    from .settings import Settings
+    from ..daemon.settings import Settings
 
     flags = {
         "socket": args.socket,
@@ -44,9 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run the daemon until SIGINT/SIGTERM."""
     from pydantic import ValidationError
 
-    from ..cache import CacheError
-    from .server import serve
-    from .settings import SettingsError
+    from ..daemon.server import serve
 
     try:
         settings = _settings_from_args(args)
@@ -55,18 +49,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"transformd: error: bad settings: {problems}", file=sys.stderr)
         return EXIT_BAD_INPUT
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return serve(settings)
-    except SettingsError as e:
-        print(f"transformd: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except CacheError as e:
-        print(f"transformd: error: {e}", file=sys.stderr)
-        return EXIT_FAILURE
+    return serve(settings)  # a SettingsError (2) or CacheError (1) is reported by transformd.cli.main
 
 
 def add_commands(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``serve`` (its handler is ``args.handler``, also ``args.func``)."""
+    """Register ``serve`` (its handler is ``args.handler``)."""
     p = subparsers.add_parser(
         "serve",
         help="run the daemon: HTTP API on a unix socket (default) or a loopback TCP port with a token",
@@ -112,16 +99,5 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                    help="log verbosity on standard error (default info)")
-    p.set_defaults(handler=cmd_serve, func=cmd_serve)
+    p.set_defaults(handler=cmd_serve)
     return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="transformd")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.handler(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,6 @@
 
 :func:`add_commands` registers the ``cache`` command on the main CLI's subparsers; every leaf
 sets ``func`` to a handler that takes the parsed namespace and returns an exit status.
-``python -m transformd.cache.cli ...`` runs the same commands on their own.
 """
 
 from __future__ import annotations
@@ -12,16 +11,14 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+from ..errors import TransformdError
 from ..progress import human_bytes
-from .errors import CacheError
-from .store import Cache, VerifyResult, existing_root
+from .common import exit_code, fail
 
-#: Exit codes, as in :mod:`transformd.cli`: 1 environment failure or corrupt entries found, 2 bad arguments.
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_BAD_INPUT = 2
+if TYPE_CHECKING:
+    from ..cache.store import Cache, VerifyResult
 
 
 def _ago(t: float | None, now: float) -> str:
@@ -51,6 +48,8 @@ def _table(rows: list[list[str]], header: list[str], out: TextIO, *, right: Sequ
 def _open(args: argparse.Namespace) -> Cache:
     """The cache these commands look at; it must exist already (a mistyped --cache-dir is refused, exit 2, and
     not created: only commands that convert create a cache)."""
+    from ..cache.store import Cache, existing_root  # here: the parser is built for every command
+
     root = existing_root(args.cache_dir)
     return Cache(root, budget_bytes=getattr(args, "budget", None) if args.cache_command == "gc" else None)
 
@@ -183,39 +182,18 @@ def cmd_rm(args: argparse.Namespace, out: TextIO | None = None) -> int:
     for key in args.keys:
         try:
             freed = cache.rm(key, force=args.force)
-        except ValueError as e:
-            sys.stderr.write(f"transformd: error: {e}\n")
-            status = max(status, EXIT_BAD_INPUT)
-            continue
-        except CacheError as e:
-            sys.stderr.write(f"transformd: error: {e}\n")
-            status = max(status, EXIT_FAILURE)
+        except TransformdError as e:  # one key's problem; the others are still removed
+            status = max(status, fail(e, exit_code(e)))
             continue
         out.write(f"removed  {key}  {human_bytes(freed)}\n")
     return status
 
 
-def _guard(func: Any) -> Any:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except ValueError as e:  # bad arguments: a malformed key or size (InvalidKeyError is a ValueError)
-            sys.stderr.write(f"transformd: error: {e}\n")
-            return EXIT_BAD_INPUT
-        except CacheError as e:
-            sys.stderr.write(f"transformd: error: {e}\n")
-            return EXIT_FAILURE
-
-    run.__name__ = func.__name__
-    run.__doc__ = func.__doc__
-    return run
-
-
 def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``cache ls|verify|gc|rm`` on ``subparsers`` (from ``ArgumentParser.add_subparsers``).
 
-    Each leaf parser sets ``func`` (and ``handler``, the name :mod:`transformd.cli` looks for):
-    call ``args.func(args)`` and exit with its return value (0 ok; 1 failure or corrupt entries
+    Each leaf parser sets ``handler``: :func:`transformd.cli.main` calls ``args.handler(args)`` and exits with
+    its return value (0 ok; 1 failure or corrupt entries
     found by verify; 2 bad arguments). Errors are one line on standard error.
     """
     common = argparse.ArgumentParser(add_help=False)
@@ -235,7 +213,7 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", parents=[common], help="list entries: key, size, last use, recipe, leases, source")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ls.set_defaults(func=_guard(cmd_ls), handler=_guard(cmd_ls))
+    ls.set_defaults(handler=cmd_ls)
 
     verify = sub.add_parser(
         "verify", parents=[common], help="re-hash entry files against their manifests; quarantine corrupt entries"
@@ -243,28 +221,17 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     verify.add_argument("key", nargs="?", metavar="KEY", help="only this entry (default: all)")
     verify.add_argument("--no-quarantine", action="store_true", help="report corrupt entries but leave them in place")
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
-    verify.set_defaults(func=_guard(cmd_verify), handler=_guard(cmd_verify))
+    verify.set_defaults(handler=cmd_verify)
 
     gc = sub.add_parser(
         "gc", parents=[common], help="apply the budget (evict least recently used entries) and remove leftovers"
     )
     gc.add_argument("--budget", metavar="SIZE", help="apply this budget instead (bytes, 500G, 1.5TiB, 80%%)")
     gc.add_argument("--purge-quarantine", action="store_true", help="also delete quarantined entries")
-    gc.set_defaults(func=_guard(cmd_gc), handler=_guard(cmd_gc))
+    gc.set_defaults(handler=cmd_gc)
 
     rm = sub.add_parser("rm", parents=[common], help="remove entries")
     rm.add_argument("keys", nargs="+", metavar="KEY", help="entry keys, as 'transformd cache ls' shows them")
     rm.add_argument("--force", action="store_true", help="remove even while a live lease holds the entry")
-    rm.set_defaults(func=_guard(cmd_rm), handler=_guard(cmd_rm))
+    rm.set_defaults(handler=cmd_rm)
     return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="transformd")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,37 +27,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..cache import (
-    CacheError,
-    CacheFullError,
-    CacheTimeoutError,
-    ConversionFailedError,
-    DiskFullError,
-    EntryLeasedError,
-    EntryNotFoundError,
-    InvalidKeyError,
-    SourceError,
-)
-from ..cache.securefs import OutsideRootsError, SourceNotDirectoryError, SourceNotFoundError, SourcePermissionError
-from ..hub import HubError
+from ..errors import MAX_MESSAGE_CHARS, TransformdError
 
-log = logging.getLogger("transformd.api")
-
-#: Exception class names that mean "the checkpoint itself is invalid" (also when another process failed on it).
-INVALID_INPUT_TYPES = frozenset({"MxFormatError", "CheckpointError", "SourceError"})
-#: Longest message returned (a converter's message can quote a lot).
-MAX_MESSAGE_CHARS = 4000
+log = logging.getLogger("transformd.daemon")
 
 
-class ApiError(Exception):
-    """An error with its HTTP status, a stable machine-readable code and a message for a person."""
+
+class ApiError(TransformdError):
+    """The daemon's answer to a failed request: HTTP status, a stable machine-readable code and a message for a
+    person. Raised by the routes for problems of the request itself; every other error becomes one through
+    :func:`error_for_exception`."""
 
     def __init__(self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None):
-        super().__init__(message)
+        super().__init__(message[:MAX_MESSAGE_CHARS])
         self.status = status
         self.code = code
-        self.message = message[:MAX_MESSAGE_CHARS]
         self.headers = headers
+
+    def __str__(self) -> str:
+        return self.message
 
     def body(self) -> dict[str, Any]:
         return {"status": self.status, "code": self.code, "message": self.message}
@@ -67,54 +55,15 @@ class ApiError(Exception):
 
 
 def error_for_exception(exc: BaseException) -> ApiError:
-    """The API error for an exception raised while identifying, validating or converting a checkpoint."""
-    from ..formats import MxFormatError
-    from ..safetensors_io import CheckpointError
+    """The API error for an exception raised while identifying, validating or converting a checkpoint.
 
+    transformd's own errors say their status, code and message themselves (:mod:`transformd.errors`); an
+    ``OSError`` is an I/O failure (403 for a permission), anything else a 500 that points at the log.
+    """
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, HubError):  # a repo id source: its status and code are its own (transformd.hub)
-        return ApiError(exc.status, exc.code, str(exc))
-    if isinstance(exc, (MxFormatError, CheckpointError)):
-        return ApiError(422, "invalid_checkpoint", f"invalid checkpoint: {exc}")
-    if isinstance(exc, DiskFullError):
-        return ApiError(507, "disk_full", str(exc))
-    if isinstance(exc, CacheFullError):
-        return ApiError(507, "cache_full", str(exc))
-    if isinstance(exc, ConversionFailedError):
-        if exc.error_type in INVALID_INPUT_TYPES:
-            return ApiError(422, "invalid_checkpoint", f"invalid checkpoint: {exc.message}")
-        return ApiError(500, "conversion_failed", str(exc))
-    if isinstance(exc, OutsideRootsError):
-        return ApiError(403, "source_not_allowed", str(exc))
-    if isinstance(exc, SourcePermissionError):
-        return ApiError(403, "permission_denied", str(exc))
-    if isinstance(exc, SourceNotFoundError):
-        return ApiError(404, "source_not_found", str(exc))
-    if isinstance(exc, SourceNotDirectoryError):
-        return ApiError(400, "bad_source", f"{exc}; give the checkpoint directory")
-    if isinstance(exc, SourceError):
-        if "changed while" in str(exc):
-            return ApiError(409, "source_changed", f"{exc}; POST the checkpoint again once it is complete")
-        return ApiError(422, "invalid_source", str(exc))
-    if isinstance(exc, CacheTimeoutError):
-        return ApiError(504, "timeout", str(exc))
-    if isinstance(exc, EntryLeasedError):
-        key = exc.key or "KEY"
-        holders = f" ({', '.join(exc.holders)})" if exc.holders else ""
-        return ApiError(
-            409,
-            "entry_leased",
-            f"checkpoint {key} is leased{holders}: it cannot be deleted while a lease is live. Wait for the "
-            f"leases to expire or for their holders to release them (DELETE /v1/checkpoints/{key}/leases/ID), "
-            f"or, on the node, remove it anyway with: transformd cache rm --force {key}",
-        )
-    if isinstance(exc, EntryNotFoundError):
-        return ApiError(404, "unknown_key", str(exc))
-    if isinstance(exc, InvalidKeyError):
-        return ApiError(400, "invalid_key", str(exc))
-    if isinstance(exc, CacheError):
-        return ApiError(503, "cache_unavailable", f"the cache cannot be used: {exc}")
+    if isinstance(exc, TransformdError):
+        return ApiError(exc.api_status(), exc.api_code(), exc.api_message())
     if isinstance(exc, PermissionError):
         return ApiError(403, "permission_denied", f"the daemon may not read {exc.filename or 'a file'}: {exc.strerror}")
     if isinstance(exc, OSError):

@@ -1,63 +1,15 @@
-"""Command line: ``transformd convert | sample | inspect | demo | cache ...``.
-
-Conventions every subcommand keeps, so scripts can rely on them:
-
-* the last line of standard output is the directory the command produced (or
-  read), so ``DIR=$(transformd convert ... | tail -n1)`` works;
-* errors are one line on standard error, ``transformd: error: ...``; exit code 2
-  for bad input (a malformed checkpoint, invalid MXFP8 values, a non-empty
-  ``--out``, bad arguments), 1 for environment failures (I/O, no GPU);
-* progress goes to standard error: a bar when that is a terminal, else a line every 5 s
-  (``--progress-every``); ``convert`` ends with a one-line summary there (bytes, tensors, time,
-  rate, target, mode, device, where).
-
-Other modules add subcommands with a function ``add_commands(subparsers)``
-that registers parsers whose defaults carry ``handler=<callable(args) -> int>``
-(``func=`` is accepted too; see :func:`add_commands` here); list the module in
-:data:`EXTENSION_MODULES`.
-"""
+"""``transformd convert | sample | inspect | demo``."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
 
-from .engines import TARGET_CHOICES, Engine
-from .formats import MxFormatError, ScaleMode
-from .safetensors_io import CheckpointError
+from ..formats import ScaleMode
+from .common import EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, positive_int
 
-__all__ = ["EXTENSION_MODULES", "add_commands", "build_parser", "main"]
-
-#: Modules whose ``add_commands(subparsers)`` is called after this module's (e.g. a cache command group).
-EXTENSION_MODULES: tuple[str, ...] = ("transformd.cache.cli", "transformd.api.cli", "transformd.api.resolve")
-
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_BAD_INPUT = 2
-
-
-def build_parser(
-    extensions: Sequence[Callable[[argparse._SubParsersAction], object]] = (),
-) -> argparse.ArgumentParser:
-    """The ``transformd`` parser: this module's commands, then each extension's."""
-    from . import __version__
-
-    parser = argparse.ArgumentParser(
-        prog="transformd",
-        description="Convert MXFP8 checkpoints to 128x128 block FP8 (FNUZ or OCP e4m3).",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    add_commands(subparsers)
-    for module in EXTENSION_MODULES:
-        importlib.import_module(module).add_commands(subparsers)
-    for extra in extensions:
-        extra(subparsers)
-    return parser
+__all__ = ["add_commands"]
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -99,10 +51,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         description="Write a small ModelOpt-layout MXFP8 MoE checkpoint into DIR; print DIR last.",
     )
     sample.add_argument("dir", metavar="DIR", type=Path, help="where to write it (created; must be empty or absent)")
-    sample.add_argument("--layers", type=_positive_int, default=2, help="decoder layers (default 2)")
-    sample.add_argument("--experts", type=_positive_int, default=4, help="MoE experts per layer (default 4)")
+    sample.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default 2)")
+    sample.add_argument("--experts", type=positive_int, default=4, help="MoE experts per layer (default 4)")
     sample.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
-    sample.add_argument("--shards", type=_positive_int, default=2,
+    sample.add_argument("--shards", type=positive_int, default=2,
                         help="safetensors files to spread it over (default 2)")
     sample.add_argument("--scale-suffix", choices=["weight_scale", "weight_scale_inv"], default="weight_scale",
                         help="ModelOpt (weight_scale) or MiniMax-style (weight_scale_inv) scale names")
@@ -140,54 +92,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     demo.set_defaults(handler=_run_demo)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``transformd`` script; returns the exit code."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # argparse reports usage errors itself, with code 2
-        return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
-    handler = getattr(args, "handler", None) or args.func
-    try:
-        return handler(args)
-    except (CheckpointError, MxFormatError, ValueError, FileExistsError) as err:
-        return _fail(err, EXIT_BAD_INPUT)
-    except (OSError, RuntimeError) as err:
-        return _fail(err, EXIT_FAILURE)
-    except Exception as err:
-        from .cache.errors import CacheError
-
-        if isinstance(err, CacheError):  # cache or disk full, cache directory read-only or removed, ...
-            return _fail(err, EXIT_FAILURE)
-        raise
-    except KeyboardInterrupt:
-        return _fail("interrupted", 130)
-
-
-def _fail(err: BaseException | str, code: int, stream: TextIO | None = None) -> int:
-    message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the exception text holds
-    print(f"transformd: error: {message}", file=stream or sys.stderr)
-    return code
-
-
-def add_target_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--target`` and ``--engine``, shared by ``convert`` and ``resolve``."""
-    parser.add_argument(
-        "--target", choices=TARGET_CHOICES, default="auto",
-        help="auto (default): ocp for vllm/sglang/transformers; for raw consumers fnuz on gfx94x, else ocp; nothing "
-             "converted on GPUs with native MX (gfx950, NVIDIA 10.x+). fnuz: float8_e4m3fnuz (MI300-class kernels); "
-             "ocp: float8_e4m3fn",
-    )
-    parser.add_argument(
-        "--engine", choices=[e.value for e in Engine], default=None,
-        help="who loads the output: picks the target for auto, and refuses a checkpoint that engine could not load "
-             "at any tensor-parallel size (without it: a warning); raw = transformd.loader or your own kernels",
-    )
-
-
 def _choose_target(args: argparse.Namespace) -> tuple[str | None, str]:
     """The concrete target for ``args`` (None: serve the source unconverted) and why."""
-    from .engines import choose_target, detect_platform
+    from ..engines import choose_target, detect_platform
 
     return choose_target(args.target, args.engine, detect_platform() if args.target == "auto" else None)
 
@@ -197,7 +104,7 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
     it; without, a warning for each engine that could not load it at any tensor-parallel size."""
     if engine is not None:
         print(f"transformd: target {target}: {why}", file=sys.stderr)
-    from .engines import readiness_line
+    from ..engines import readiness_line
 
     for name, r in report.items():
         if engine == name:
@@ -212,19 +119,12 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
                 print(f"transformd: warning: {warning}", file=sys.stderr)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
-
-
 # -------------------------------------------------------------------------------------------------------------------
 # Handlers
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from .hub import source_path
+    from ..hub import source_path
 
     args.src = source_path(args.src, args.revision, note=sys.stderr)  # a repo id: its snapshot in the hub cache
     target, why = _choose_target(args)
@@ -234,8 +134,8 @@ def _run_convert(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.out is None:
         return _run_convert_cached(args, target, why)
-    from .checkpoint import convert_checkpoint
-    from .progress import ConvertProgress, summary
+    from ..checkpoint import convert_checkpoint
+    from ..progress import ConvertProgress, summary
 
     with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
         result = convert_checkpoint(
@@ -255,7 +155,7 @@ def _run_convert(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(summary(result, f"into {result.out}"), file=sys.stderr, flush=True)
     if args.report:
-        from .report import compare_checkpoints
+        from ..report import compare_checkpoints
 
         print(compare_checkpoints(args.src, result.out).format_table(legend=True))
     print(result.out)
@@ -263,9 +163,9 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
-    from .cache import Cache, Recipe
-    from .checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
-    from .progress import ConvertProgress
+    from ..cache import Cache, Recipe
+    from ..checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
+    from ..progress import ConvertProgress
 
     if args.overwrite:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
@@ -279,7 +179,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     _print_outcome(readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:
-        from .report import compare_checkpoints
+        from ..report import compare_checkpoints
 
         print(compare_checkpoints(args.src, entry.path).format_table(legend=True))
     print(entry.path)
@@ -288,7 +188,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
 
 def _cached_summary(entry) -> str:
     """The last line on standard error of ``convert`` into the cache: how this call got the entry, with numbers."""
-    from .progress import summary
+    from ..progress import summary
 
     where = f"cache entry {entry.path}"
     try:
@@ -306,7 +206,7 @@ def _cached_summary(entry) -> str:
 
 
 def _run_sample(args: argparse.Namespace) -> int:
-    from .sample import write_sample_checkpoint
+    from ..sample import write_sample_checkpoint
 
     path = write_sample_checkpoint(
         args.dir,
@@ -322,7 +222,7 @@ def _run_sample(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from ..demo import run_demo
 
     print(run_demo(args.dir, device=args.device))
     return EXIT_OK
@@ -330,8 +230,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _run_inspect(args: argparse.Namespace) -> int:
     if args.out is None:
-        from .checkpoint import readiness_of_dir
-        from .engines import readiness_line
+        from ..checkpoint import readiness_of_dir
+        from ..engines import readiness_line
 
         report = readiness_of_dir(args.src)
         for name, r in report.items():
@@ -340,12 +240,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
                 print(f"  {line}")
         print(args.src)
         return EXIT_OK if any(r.loads for r in report.values()) else EXIT_BAD_INPUT
-    from .report import compare_checkpoints
+    from ..report import compare_checkpoints
 
     print(compare_checkpoints(args.src, args.out).format_table(legend=True))
     print(args.out)
     return EXIT_OK
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -177,11 +177,11 @@ class EntryIndex:
         """Move a damaged entry to quarantine/ (blocking); the next request for its source converts it again."""
         import logging
 
-        logging.getLogger("transformd.api").warning("cache entry %s is damaged, quarantined: %s", key, problems[:3])
+        logging.getLogger("transformd.daemon").warning("cache entry %s is damaged, quarantined: %s", key, problems[:3])
         try:
             self.cache._quarantine(key, problems)
         except Exception:  # noqa: BLE001 - a failed move leaves it for `transformd cache verify`
-            logging.getLogger("transformd.api").exception("cannot quarantine %s", key)
+            logging.getLogger("transformd.daemon").exception("cannot quarantine %s", key)
         self.forget(key)
 
     def _schedule_verify(self, key: str) -> None:

@@ -30,7 +30,7 @@ import uvicorn
 from .peers import peer_protocol
 from .settings import Settings, SettingsError
 
-log = logging.getLogger("transformd.api")
+log = logging.getLogger("transformd.daemon")
 
 SOCKET_MODE = 0o660
 SOCKET_DIR_MODE = 0o750

@@ -1,0 +1,65 @@
+"""Command line: ``transformd convert | sample | inspect | demo | cache ...``.
+
+Conventions every subcommand keeps, so scripts can rely on them:
+
+* the last line of standard output is the directory the command produced (or
+  read), so ``DIR=$(transformd convert ... | tail -n1)`` works;
+* errors are one line on standard error, ``transformd: error: ...``; exit code 2
+  for bad input (a malformed checkpoint, invalid MXFP8 values, a non-empty
+  ``--out``, bad arguments), 1 for environment failures (I/O, no GPU);
+* progress goes to standard error: a bar when that is a terminal, else a line every 5 s
+  (``--progress-every``); ``convert`` ends with a one-line summary there (bytes, tensors, time,
+  rate, target, mode, device, where).
+
+One module a command group, each with ``add_commands(subparsers)`` registering parsers whose defaults carry
+``handler=<callable(args) -> int>``: :mod:`.convert` (convert, sample, inspect, demo), :mod:`.cache`
+(cache ls/verify/gc/rm), :mod:`.serve` (serve), :mod:`.resolve` (resolve, health). Their imports are light
+(the heavy modules load inside the handlers), so ``transformd resolve`` never imports torch. Exit codes and
+the one-line error format are in :mod:`.common`, taken from each error's class (:mod:`transformd.errors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from . import cache, convert, resolve, serve
+from .common import EXIT_BAD_INPUT, exit_code, fail
+
+__all__ = ["build_parser", "main"]
+
+#: The command groups, in the order ``--help`` lists them.
+COMMAND_MODULES = (convert, cache, serve, resolve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``transformd`` parser with every command."""
+    from .._version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="transformd",
+        description="Convert MXFP8 checkpoints to 128x128 block FP8 (FNUZ or OCP e4m3).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMAND_MODULES:
+        module.add_commands(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``transformd`` script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse reports usage errors itself, with code 2
+        return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+    except Exception as err:
+        code = exit_code(err)
+        if code is None:
+            raise
+        return fail(err, code)

@@ -1,0 +1,57 @@
+"""What every command shares: exit codes, the one-line error, the target and engine arguments."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+from .. import errors
+from ..engines import TARGET_CHOICES, Engine
+from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILURE", "EXIT_OK", "add_target_arguments", "exit_code", "fail", "positive_int"]
+
+
+def exit_code(err: BaseException) -> int | None:
+    """The exit status for an error a command raised; None for a bug (the traceback is worth more than a line).
+
+    transformd's own errors carry theirs (:mod:`transformd.errors`: 2 when the input or request is the problem,
+    1 when something failed); other bad values are 2, other I/O failures 1.
+    """
+    if isinstance(err, errors.TransformdError):
+        return errors.exit_code(err)
+    if isinstance(err, (ValueError, FileExistsError)):
+        return EXIT_BAD_INPUT
+    if isinstance(err, (OSError, RuntimeError)):
+        return EXIT_FAILURE
+    return None
+
+
+def fail(err: BaseException | str, code: int, stream: TextIO | None = None) -> int:
+    """Print ``transformd: error: MESSAGE`` (one line) on standard error; return ``code``."""
+    message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the exception text holds
+    print(f"transformd: error: {message}", file=stream or sys.stderr)
+    return code
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--target`` and ``--engine``, shared by ``convert`` and ``resolve``."""
+    parser.add_argument(
+        "--target", choices=TARGET_CHOICES, default="auto",
+        help="auto (default): ocp for vllm/sglang/transformers; for raw consumers fnuz on gfx94x, else ocp; nothing "
+             "converted on GPUs with native MX (gfx950, NVIDIA 10.x+). fnuz: float8_e4m3fnuz (MI300-class kernels); "
+             "ocp: float8_e4m3fn",
+    )
+    parser.add_argument(
+        "--engine", choices=[e.value for e in Engine], default=None,
+        help="who loads the output: picks the target for auto, and refuses a checkpoint that engine could not load "
+             "at any tensor-parallel size (without it: a warning); raw = transformd.loader or your own kernels",
+    )
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
