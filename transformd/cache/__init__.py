@@ -78,7 +78,8 @@ Rules
 """
 
 from ..progress import human_bytes
-from .budget import parse_size
+from .budget import ENV_BUDGET, CacheUsage, CleanupReport, GcReport, parse_size
+from .entry import Entry
 from .errors import (
     CacheError,
     CacheFullError,
@@ -92,24 +93,11 @@ from .errors import (
     SourceError,
 )
 from .keys import FileRecord, Recipe, SourceIdentity, cache_key, source_identity, validate_key
-from .lease import Lease
+from .lease import CURRENT_PROCESS, Lease
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest
-from .store import (
-    CURRENT_PROCESS,
-    ENV_BUDGET,
-    ENV_CACHE_DIR,
-    Cache,
-    CacheUsage,
-    CleanupReport,
-    ConversionStatus,
-    Converter,
-    Entry,
-    GcReport,
-    TransformdConverter,
-    VerifyResult,
-    default_root,
-    existing_root,
-)
+from .status import ConversionStatus
+from .store import ENV_CACHE_DIR, Cache, Converter, TransformdConverter, default_root, existing_root
+from .verify import VerifyResult
 
 __all__ = [
     "CHECKPOINT_DIR",

@@ -45,8 +45,8 @@ from typing import Any
 
 import blake3
 
-from ..formats import FORMAT_VERSION, ScaleMode, Target
 from .._durable import read_json, write_json_atomic
+from ..formats import FORMAT_VERSION, ScaleMode, Target
 from .errors import InvalidKeyError, SourceChangedError, SourceError
 from .securefs import SourceTree, open_source
 

@@ -7,17 +7,26 @@ not known to be dead; expired and dead-holder leases are ignored and removed by 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._durable import read_json, write_json_atomic
-from .errors import InvalidKeyError
-from .lock import process_alive
+from .errors import EntryNotFoundError, InvalidKeyError
+from .keys import KEY_RE, validate_key
+from .lock import process_alive, process_identity
+from .manifest import MANIFEST_NAME
+
+#: Default lease duration of :meth:`Cache.lease` (seconds); a lease of a live process.
+DEFAULT_LEASE_TTL_S = 24 * 3600.0
+#: Sentinel: the lease is held by the calling process.
+CURRENT_PROCESS = -1
 
 LEASE_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 
@@ -112,3 +121,90 @@ def read_leases(leases_dir: Path, key: str) -> list[Lease]:
             if lease.key == key and f"{lease.id}.json" == name:
                 out.append(lease)
     return out
+
+
+
+class LeaseMixin:
+    """The :class:`~transformd.cache.store.Cache` methods that take, renew, list and release leases (a part of
+    ``Cache``, kept here for size)."""
+
+
+    def acquire_lease(
+        self, key: str, ttl_s: float, *, holder: str = "", pid: int | None = CURRENT_PROCESS, uid: int | None = None
+    ) -> Lease:
+        """Protect entry ``key`` from eviction for ``ttl_s`` seconds (renewable).
+
+        ``pid``: the holding process (default: this one; the lease stops protecting when it
+        dies), or None for a lease that only expires (e.g. held by the daemon for a client).
+        Raises :class:`EntryNotFoundError` if there is no such entry.
+        """
+        validate_key(key)
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl must be positive, not {ttl_s}")
+        owner = None if pid is None else process_identity(None if pid == CURRENT_PROCESS else pid)
+        now = time.time()
+        lease = Lease(key, new_lease_id(), now, now + ttl_s, holder, owner, uid)
+        self._write_lease_checked(lease)
+        return lease
+
+    def renew_lease(self, lease: Lease, ttl_s: float) -> Lease:
+        """Extend ``lease`` to ``ttl_s`` seconds from now (recreating it if gc removed it as expired)."""
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl must be positive, not {ttl_s}")
+        renewed = Lease(
+            lease.key, lease.id, lease.created_at, time.time() + ttl_s, lease.holder, lease.owner, lease.uid
+        )
+        self._write_lease_checked(renewed)
+        return renewed
+
+    def _write_lease_checked(self, lease: Lease) -> None:
+        with self._gc_lock(shared=True):
+            if not (self.entries_dir / lease.key / MANIFEST_NAME).exists():
+                raise EntryNotFoundError(lease.key, self.root)
+            write_lease(self.leases_dir, lease)
+        self._touch(self.entries_dir / lease.key)
+
+    def release_lease(self, lease: Lease | str, key: str | None = None) -> bool:
+        """Remove a lease (a :class:`Lease`, or its id with ``key``). False if it was already gone."""
+        if isinstance(lease, Lease):
+            key, lease_id = lease.key, lease.id
+        else:
+            if key is None:
+                raise TypeError("release_lease(lease_id, key) needs the key")
+            lease_id = lease
+        validate_key(key)
+        validate_lease_id(lease_id)
+        try:
+            os.unlink(lease_path(self.leases_dir, key, lease_id))
+        except FileNotFoundError:
+            return False
+        with contextlib.suppress(OSError):
+            os.rmdir(self.leases_dir / key)  # only succeeds when it was the last one
+        return True
+
+    def get_lease(self, key: str, lease_id: str) -> Lease | None:
+        """The lease ``lease_id`` of ``key`` (live or not), or None."""
+        validate_key(key)
+        validate_lease_id(lease_id)
+        return next((lease for lease in read_leases(self.leases_dir, key) if lease.id == lease_id), None)
+
+    def leases(self, key: str | None = None) -> list[Lease]:
+        """Every lease file (live or not; see :meth:`Lease.is_live`) of ``key`` or of all keys."""
+        if key is not None:
+            return read_leases(self.leases_dir, validate_key(key))
+        out: list[Lease] = []
+        with contextlib.suppress(FileNotFoundError):
+            for k in sorted(os.listdir(self.leases_dir)):
+                if KEY_RE.fullmatch(k):
+                    out.extend(read_leases(self.leases_dir, k))
+        return out
+
+    @contextlib.contextmanager
+    def lease(self, key: str, ttl_s: float = DEFAULT_LEASE_TTL_S, *, holder: str = "") -> Iterator[Lease]:
+        """Hold a lease of this process on ``key`` for the duration of a ``with`` block."""
+        lease = self.acquire_lease(key, ttl_s, holder=holder)
+        try:
+            yield lease
+        finally:
+            self.release_lease(lease)
+

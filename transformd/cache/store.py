@@ -1,4 +1,7 @@
-"""The cache store: lookup, single-flight conversion, atomic publish, leases, eviction, verify.
+"""The cache store: layout, lookup, single-flight conversion and its publish.
+
+:class:`Cache` gathers the parts kept in their own modules: :mod:`.status` (in flight, failed), :mod:`.budget`
+(room, eviction, gc, cleanup), :mod:`.lease`, :mod:`.verify`.
 
 See the package docstring (:mod:`transformd.cache`) for the on-disk layout and the rules.
 """
@@ -7,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import os
 import secrets
 import stat as stat_mod
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,21 +29,19 @@ from .._durable import (
     write_json_atomic,
 )
 from ..progress import human_bytes
-from .budget import parse_size
+from .budget import ENV_BUDGET, BudgetMixin, parse_size
+from .entry import Entry
 from .errors import (
     CacheError,
     CacheFullError,
     CacheTimeoutError,
     ConversionFailedError,
     DiskFullError,
-    EntryLeasedError,
     EntryNotFoundError,
     NotACacheError,
     SourceChangedError,
 )
 from .keys import (
-    KEY_HEX_LEN,
-    KEY_RE,
     FileRecord,
     Recipe,
     SourceIdentity,
@@ -53,29 +52,21 @@ from .keys import (
     source_identity,
     validate_key,
 )
-from .lease import Lease, lease_path, new_lease_id, read_leases, validate_lease_id, write_lease
-from .lock import FileLock, SharedExclusiveLock, process_alive, process_identity
+from .lease import (
+    LeaseMixin,
+)
+from .lock import FileLock, SharedExclusiveLock, process_identity
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest, jsonable
 from .securefs import SourceTree, open_source
+from .status import ConversionStatus, StatusMixin, _StatusWriter
+from .verify import VerifyMixin
 
 #: Environment variable naming the cache root.
 ENV_CACHE_DIR = "TRANSFORMD_CACHE_DIR"
-#: Environment variable with the byte budget ("500G", "1.5TiB", "80%" of the file system, bytes).
-ENV_BUDGET = "TRANSFORMD_CACHE_BUDGET"
 #: Default budget, fixed when the cache root is created: this share of the free space then.
 DEFAULT_BUDGET_FRACTION = 0.9
 #: Added to the source size when estimating the size of a new entry (manifest, metadata).
 ENTRY_OVERHEAD_BYTES = 64 * 1024
-#: How often the in-flight status file is rewritten at most (seconds).
-STATUS_INTERVAL_S = 0.25
-#: How long a failed conversion's record is reported by :meth:`Cache.status` (seconds).
-FAILURE_TTL_S = 3600.0
-#: Leftover temporary files older than this (seconds) are removed by cleanup.
-TMP_MAX_AGE_S = 600.0
-#: Default lease duration of :meth:`Cache.lease` (seconds); a lease of a live process.
-DEFAULT_LEASE_TTL_S = 24 * 3600.0
-#: Sentinel: the lease is held by the calling process.
-CURRENT_PROCESS = -1
 
 _GC_LOCK = "gc.lock"
 
@@ -173,193 +164,9 @@ def existing_root(root: str | os.PathLike[str] | None = None) -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class ConversionStatus:
-    """Where a key stands, as any process can read it.
-
-    ``state``: ``converting`` (a live process converts it), ``publishing`` (digests, fsync,
-    rename), ``ready`` (an entry exists), ``failed`` (the last attempt failed within the last
-    hour; ``error`` says why). ``detail`` is the converter's latest progress update (JSON).
-    ``waiting`` is True in the updates a process receives while another process converts.
-    """
-
-    key: str
-    state: str
-    pid: int | None = None
-    host: str | None = None
-    started_at: float | None = None
-    updated_at: float | None = None
-    source: str | None = None
-    estimate_bytes: int | None = None
-    #: the staging directory of the conversion (``staging/<key>.<pid>.<rand>``); the converter writes
-    #: ``checkpoint/`` inside it, which is renamed (same inodes) into ``entries/<key>/`` when done
-    staging_dir: str | None = None
-    detail: Any = None
-    error: str | None = None
-    error_type: str | None = None
-    waiting: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-class Entry:
-    """A published cache entry.
-
-    ``path`` is the converted checkpoint directory (give it to the engine); ``root`` the entry
-    directory holding it and ``manifest.json``. ``outcome`` says how this call got it: ``hit``,
-    ``converted`` (this process converted it) or ``waited`` (another process did). ``lease`` is
-    set when the entry was obtained with ``lease_ttl``.
-    """
-
-    def __init__(self, key: str, root: Path, last_used: float, *, outcome: str = "hit", lease: Lease | None = None):
-        self.key = key
-        self.root = root
-        self.path = root / CHECKPOINT_DIR
-        self.last_used = last_used
-        self.outcome = outcome
-        self.lease = lease
-
-    @functools.cached_property
-    def manifest(self) -> Manifest:
-        return Manifest.read(self.root / MANIFEST_NAME)
-
-    @property
-    def size_bytes(self) -> int:
-        """Bytes of the entry on disk: the converted files plus the manifest."""
-        try:
-            extra = os.stat(self.root / MANIFEST_NAME).st_size
-        except OSError:
-            extra = 0
-        return self.manifest.total_bytes + extra
-
-    def __repr__(self) -> str:
-        return f"Entry(key={self.key!r}, path={str(self.path)!r}, outcome={self.outcome!r})"
-
-
-@dataclass
-class VerifyResult:
-    key: str
-    ok: bool
-    problems: list[str] = field(default_factory=list)
-    files_checked: int = 0
-    bytes_checked: int = 0
-    #: where the entry was moved when it was quarantined
-    quarantined_to: Path | None = None
-
-
-@dataclass
-class CleanupReport:
-    staging_removed: list[str] = field(default_factory=list)
-    locks_removed: list[str] = field(default_factory=list)
-    trash_removed: int = 0
-    tmp_removed: int = 0
-
-
-@dataclass
-class GcReport:
-    evicted: list[tuple[str, int]] = field(default_factory=list)
-    freed_bytes: int = 0
-    used_bytes: int = 0
-    budget_bytes: int = 0
-    leases_removed: int = 0
-    quarantine_removed: int = 0
-    cleanup: CleanupReport = field(default_factory=CleanupReport)
-
-
-@dataclass
-class CacheUsage:
-    root: Path
-    budget_bytes: int
-    used_bytes: int
-    entries: int
-    leased_bytes: int
-    free_bytes: int
-    quarantined: int
-    in_flight: int
-
-
-@dataclass
-class _EntryInfo:
-    key: str
-    root: Path
-    last_used: float
-    size: int
-
-
-class _StatusWriter:
-    """Writes ``staging/<name>.json`` (owner, reservation, progress) and forwards progress to the caller."""
-
-    def __init__(
-        self,
-        path: Path,
-        key: str,
-        source: str,
-        estimate: int,
-        user_progress: Callable[[ConversionStatus], None] | None,
-    ):
-        self.path = path
-        self.key = key
-        self.source = source
-        self.estimate = estimate
-        self.user_progress = user_progress
-        self.owner = process_identity()
-        self.started_at = time.time()
-        self.state = "converting"
-        self.detail: Any = None
-        self._last_write = 0.0
-
-    def status(self) -> ConversionStatus:
-        return ConversionStatus(
-            key=self.key,
-            state=self.state,
-            pid=self.owner["pid"],
-            host=self.owner["host"],
-            started_at=self.started_at,
-            updated_at=time.time(),
-            source=self.source,
-            estimate_bytes=self.estimate,
-            staging_dir=str(self.path.with_suffix("")) if self.path.name.endswith(".json") else None,
-            detail=self.detail,
-        )
-
-    def write(self, *, force: bool = True) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_write < STATUS_INTERVAL_S:
-            return
-        self._last_write = now
-        data = self.status().as_dict()
-        data["owner"] = self.owner
-        write_json_atomic(self.path, data)
-
-    def set_state(self, state: str, detail: Any = None) -> None:
-        self.state = state
-        if detail is not None:
-            self.detail = detail
-        self.write(force=True)
-        if self.user_progress is not None:
-            self.user_progress(self.status())
-
-    def __call__(self, update: Any) -> None:
-        self.detail = jsonable(update)
-        self.write(force=False)
-        if self.user_progress is not None:
-            self.user_progress(self.status())
-
-
-def _status_from_file(data: Any, *, waiting: bool = False) -> ConversionStatus | None:
-    if not isinstance(data, dict) or not isinstance(data.get("key"), str):
-        return None
-    fields = ConversionStatus.__dataclass_fields__
-    kw = {k: v for k, v in data.items() if k in fields}
-    kw["waiting"] = waiting
-    try:
-        return ConversionStatus(**kw)
-    except TypeError:
-        return None
-
-
-class Cache:
+class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
     """A content-addressed cache of converted checkpoints under one root directory.
 
     Safe to use from many threads and many processes at once. Every method works from the
@@ -875,526 +682,6 @@ class Cache:
         records.sort(key=lambda r: r.name)
         return tuple(records)
 
-    def _record_failure(self, key: str, exc: Exception) -> None:
-        with contextlib.suppress(OSError):
-            write_json_atomic(
-                self.failures_dir / f"{key}.json",
-                {
-                    "key": key,
-                    "error_type": type(exc).__name__,
-                    "message": str(exc)[:4000],
-                    "at": time.time(),
-                    "pid": os.getpid(),
-                },
-            )
-
-    def _failure(self, key: str) -> dict[str, Any] | None:
-        data = read_json(self.failures_dir / f"{key}.json")
-        return data if isinstance(data, dict) else None
-
-    # ------------------------------------------------------------------ room and eviction
-
-    def _scan_entries(self) -> list[_EntryInfo]:
-        out = []
-        try:
-            names = os.listdir(self.entries_dir)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            if not KEY_RE.fullmatch(name):
-                continue
-            d = self.entries_dir / name
-            try:
-                last_used = os.stat(d).st_mtime
-            except OSError:
-                continue
-            try:
-                size = Entry(name, d, last_used).size_bytes
-            except (OSError, ValueError, KeyError, TypeError):
-                size = _du(d)
-            out.append(_EntryInfo(name, d, last_used, size))
-        return out
-
-    def _used_bytes(self) -> int:
-        return sum(e.size for e in self._scan_entries())
-
-    def _live_leased_keys(self) -> set[str]:
-        out = set()
-        now = time.time()
-        try:
-            keys = os.listdir(self.leases_dir)
-        except FileNotFoundError:
-            return out
-        for key in keys:
-            if KEY_RE.fullmatch(key) and any(lease.is_live(now) for lease in read_leases(self.leases_dir, key)):
-                out.add(key)
-        return out
-
-    def _live_stagings(self) -> list[dict[str, Any]]:
-        """Status files of conversions whose owner is not known to be dead."""
-        out = []
-        try:
-            names = os.listdir(self.staging_dir)
-        except FileNotFoundError:
-            return out
-        for n in names:
-            if n.endswith(".json") and not n.startswith("."):
-                data = read_json(self.staging_dir / n)
-                if not isinstance(data, dict) or not KEY_RE.fullmatch(str(data.get("key"))):
-                    continue
-                alive = process_alive(data.get("owner"))
-                if alive is None:  # another host or container: live while it holds the key's lock
-                    alive = not self._key_lock_free(data["key"])
-                if alive:
-                    data["staging_dir"] = str(self.staging_dir / n.removesuffix(".json"))
-                    out.append(data)
-        return out
-
-    def _reserve(self, key: str, estimate: int, source: str, writer: _StatusWriter) -> None:
-        """Make room for ``estimate`` bytes (evicting LRU entries without live leases) and record the reservation.
-
-        Raises :class:`CacheFullError` without evicting anything when it cannot be done.
-        """
-        victims: list[_EntryInfo] = []
-        with self._gc_lock():
-            entries = self._scan_entries()
-            leased = self._live_leased_keys()
-            reserved = sum(int(s.get("estimate_bytes") or 0) for s in self._live_stagings() if s.get("key") != key)
-            used = sum(e.size for e in entries)
-            budget = self.budget_bytes
-            free = free_bytes(self.root)
-            leased_bytes = sum(e.size for e in entries if e.key in leased)
-            need = max(0, used + reserved + estimate - budget, estimate - free)
-            candidates = sorted((e for e in entries if e.key not in leased), key=lambda e: (e.last_used, e.key))
-            evictable = sum(e.size for e in candidates)
-            if estimate > budget or evictable < need:
-                why = (
-                    f"the budget is only {human_bytes(budget)}"
-                    if estimate > budget
-                    else f"{human_bytes(used)} are used by {len(entries)} entries, {human_bytes(leased_bytes)} of "
-                    f"them leased (in use, cannot be evicted), {human_bytes(reserved)} reserved by conversions in "
-                    f"progress, budget {human_bytes(budget)}, {human_bytes(free)} free on disk"
-                )
-                raise CacheFullError(
-                    f"cache {self.root} cannot hold the conversion of {source}: it needs about "
-                    f"{human_bytes(estimate)} ({estimate} bytes) but {why}. Nothing was evicted. Raise the budget "
-                    f"({ENV_BUDGET} or {self.config_path}), release leases, or use another --cache-dir",
-                    root=self.root,
-                    needed_bytes=estimate,
-                    budget_bytes=budget,
-                    used_bytes=used,
-                    leased_bytes=leased_bytes,
-                    free_bytes=free,
-                )
-            freed = 0
-            for e in candidates:
-                if freed >= need:
-                    break
-                victims.append(e)
-                freed += e.size
-            moved = [self._move_to_trash(e.key) for e in victims]
-            writer.write(force=True)  # the reservation is visible to others from here on
-        for m in moved:
-            if m is not None:
-                rmtree_force(m)
-
-    def _move_to_trash(self, key: str) -> Path | None:
-        """Rename an entry out of ``entries/`` (the atomic removal step); drop its leases."""
-        dest = self.trash_dir / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
-        try:
-            os.rename(self.entries_dir / key, dest)
-        except FileNotFoundError:
-            return None
-        rmtree_force(self.leases_dir / key)
-        return dest
-
-    def _enforce_budget(self, *, budget: int | None = None, protect: set[str] = frozenset()) -> list[tuple[str, int]]:
-        victims: list[_EntryInfo] = []
-        moved = []
-        with self._gc_lock():
-            budget = self.budget_bytes if budget is None else budget
-            entries = self._scan_entries()
-            leased = self._live_leased_keys() | set(protect)
-            reserved = sum(int(s.get("estimate_bytes") or 0) for s in self._live_stagings())
-            used = sum(e.size for e in entries) + reserved
-            for e in sorted((e for e in entries if e.key not in leased), key=lambda e: (e.last_used, e.key)):
-                if used <= budget:
-                    break
-                victims.append(e)
-                used -= e.size
-            moved = [self._move_to_trash(e.key) for e in victims]
-        for m in moved:
-            if m is not None:
-                rmtree_force(m)
-        return [(e.key, e.size) for e in victims]
-
-    # ------------------------------------------------------------------ leases
-
-    def acquire_lease(
-        self, key: str, ttl_s: float, *, holder: str = "", pid: int | None = CURRENT_PROCESS, uid: int | None = None
-    ) -> Lease:
-        """Protect entry ``key`` from eviction for ``ttl_s`` seconds (renewable).
-
-        ``pid``: the holding process (default: this one; the lease stops protecting when it
-        dies), or None for a lease that only expires (e.g. held by the daemon for a client).
-        Raises :class:`EntryNotFoundError` if there is no such entry.
-        """
-        validate_key(key)
-        if ttl_s <= 0:
-            raise ValueError(f"lease ttl must be positive, not {ttl_s}")
-        owner = None if pid is None else process_identity(None if pid == CURRENT_PROCESS else pid)
-        now = time.time()
-        lease = Lease(key, new_lease_id(), now, now + ttl_s, holder, owner, uid)
-        self._write_lease_checked(lease)
-        return lease
-
-    def renew_lease(self, lease: Lease, ttl_s: float) -> Lease:
-        """Extend ``lease`` to ``ttl_s`` seconds from now (recreating it if gc removed it as expired)."""
-        if ttl_s <= 0:
-            raise ValueError(f"lease ttl must be positive, not {ttl_s}")
-        renewed = Lease(
-            lease.key, lease.id, lease.created_at, time.time() + ttl_s, lease.holder, lease.owner, lease.uid
-        )
-        self._write_lease_checked(renewed)
-        return renewed
-
-    def _write_lease_checked(self, lease: Lease) -> None:
-        with self._gc_lock(shared=True):
-            if not (self.entries_dir / lease.key / MANIFEST_NAME).exists():
-                raise EntryNotFoundError(lease.key, self.root)
-            write_lease(self.leases_dir, lease)
-        self._touch(self.entries_dir / lease.key)
-
-    def release_lease(self, lease: Lease | str, key: str | None = None) -> bool:
-        """Remove a lease (a :class:`Lease`, or its id with ``key``). False if it was already gone."""
-        if isinstance(lease, Lease):
-            key, lease_id = lease.key, lease.id
-        else:
-            if key is None:
-                raise TypeError("release_lease(lease_id, key) needs the key")
-            lease_id = lease
-        validate_key(key)
-        validate_lease_id(lease_id)
-        try:
-            os.unlink(lease_path(self.leases_dir, key, lease_id))
-        except FileNotFoundError:
-            return False
-        with contextlib.suppress(OSError):
-            os.rmdir(self.leases_dir / key)  # only succeeds when it was the last one
-        return True
-
-    def get_lease(self, key: str, lease_id: str) -> Lease | None:
-        """The lease ``lease_id`` of ``key`` (live or not), or None."""
-        validate_key(key)
-        validate_lease_id(lease_id)
-        return next((lease for lease in read_leases(self.leases_dir, key) if lease.id == lease_id), None)
-
-    def leases(self, key: str | None = None) -> list[Lease]:
-        """Every lease file (live or not; see :meth:`Lease.is_live`) of ``key`` or of all keys."""
-        if key is not None:
-            return read_leases(self.leases_dir, validate_key(key))
-        out: list[Lease] = []
-        with contextlib.suppress(FileNotFoundError):
-            for k in sorted(os.listdir(self.leases_dir)):
-                if KEY_RE.fullmatch(k):
-                    out.extend(read_leases(self.leases_dir, k))
-        return out
-
-    @contextlib.contextmanager
-    def lease(self, key: str, ttl_s: float = DEFAULT_LEASE_TTL_S, *, holder: str = "") -> Iterator[Lease]:
-        """Hold a lease of this process on ``key`` for the duration of a ``with`` block."""
-        lease = self.acquire_lease(key, ttl_s, holder=holder)
-        try:
-            yield lease
-        finally:
-            self.release_lease(lease)
-
-    # ------------------------------------------------------------------ status
-
-    def _in_flight_status(self, key: str, *, waiting: bool = False) -> ConversionStatus | None:
-        best = None
-        for data in self._live_stagings():
-            if data.get("key") == key:
-                st = _status_from_file(data, waiting=waiting)
-                if st is not None and (best is None or (st.updated_at or 0) > (best.updated_at or 0)):
-                    best = st
-        return best
-
-    def status(self, key: str) -> ConversionStatus | None:
-        """``ready``, ``converting``/``publishing`` (with progress), ``failed`` (recently, with the error), or None."""
-        validate_key(key)
-        if (self.entries_dir / key / MANIFEST_NAME).exists():
-            return ConversionStatus(key=key, state="ready")
-        st = self._in_flight_status(key)
-        if st is not None:
-            return st
-        failure = self._failure(key)
-        if failure is not None and time.time() - float(failure.get("at", 0)) < FAILURE_TTL_S:
-            return ConversionStatus(
-                key=key,
-                state="failed",
-                pid=failure.get("pid"),
-                updated_at=failure.get("at"),
-                error=failure.get("message"),
-                error_type=failure.get("error_type"),
-            )
-        return None
-
-    def in_flight(self) -> list[ConversionStatus]:
-        """Conversions in progress in any live process."""
-        out = [_status_from_file(d) for d in self._live_stagings()]
-        return [s for s in out if s is not None]
-
-    # ------------------------------------------------------------------ listing, usage, removal
-
-    def entries(self) -> list[Entry]:
-        """Every entry, most recently used first (does not mark them as used)."""
-        infos = sorted(self._scan_entries(), key=lambda e: (-e.last_used, e.key))
-        return [Entry(e.key, e.root, e.last_used) for e in infos]
-
-    def usage(self) -> CacheUsage:
-        entries = self._scan_entries()
-        leased = self._live_leased_keys()
-        try:
-            quarantined = len([n for n in os.listdir(self.quarantine_dir) if not n.startswith(".")])
-        except FileNotFoundError:
-            quarantined = 0
-        return CacheUsage(
-            root=self.root,
-            budget_bytes=self.budget_bytes,
-            used_bytes=sum(e.size for e in entries),
-            entries=len(entries),
-            leased_bytes=sum(e.size for e in entries if e.key in leased),
-            free_bytes=free_bytes(self.root),
-            quarantined=quarantined,
-            in_flight=len(self._live_stagings()),
-        )
-
-    def rm(self, key: str, *, force: bool = False) -> int:
-        """Remove entry ``key``; returns the bytes freed.
-
-        Refuses (:class:`EntryLeasedError`) while a live lease holds it, unless ``force``.
-        Processes that mapped its files keep valid bytes until they unmap them.
-        """
-        validate_key(key)
-        with self._gc_lock():
-            d = self.entries_dir / key
-            if not d.exists():
-                raise EntryNotFoundError(key, self.root)
-            live = [lease for lease in read_leases(self.leases_dir, key) if lease.is_live()]
-            if live and not force:
-                holders = tuple(lease.holder or f"pid {(lease.owner or {}).get('pid', '?')}" for lease in live)
-                raise EntryLeasedError(
-                    f"cache entry {key} is leased by {len(live)} live holder(s) ({', '.join(holders)}); wait for "
-                    f"the leases to be released or expire, or remove it anyway with force=True "
-                    f"(transformd cache rm --force {key})",
-                    key=key,
-                    holders=holders,
-                )
-            info = next((e for e in self._scan_entries() if e.key == key), None)
-            moved = self._move_to_trash(key)
-        if moved is not None:
-            rmtree_force(moved)
-        return info.size if info else 0
-
-    def gc(self, budget_bytes: int | str | None = None, *, purge_quarantine: bool = False) -> GcReport:
-        """Apply the budget (evict LRU entries without live leases) and remove leftovers.
-
-        Leftovers: stale staging and locks, trash, expired and dead-holder lease files, failure
-        records older than an hour, stat-cache files of sources that no longer exist, and with
-        ``purge_quarantine`` the quarantined entries.
-        """
-        report = GcReport(cleanup=self.cleanup())
-        budget = None if budget_bytes is None else parse_size(budget_bytes, total=fs_size_bytes(self.root))
-        report.evicted = self._enforce_budget(budget=budget)
-        report.freed_bytes = sum(s for _, s in report.evicted)
-        report.budget_bytes = self.budget_bytes if budget is None else budget
-        report.used_bytes = self._used_bytes()
-        now = time.time()
-        for lease in self.leases():
-            if not lease.is_live(now) and self.release_lease(lease):
-                report.leases_removed += 1
-        with contextlib.suppress(FileNotFoundError):
-            for k in os.listdir(self.leases_dir):
-                with contextlib.suppress(OSError):
-                    os.rmdir(self.leases_dir / k)
-        with contextlib.suppress(FileNotFoundError):
-            for n in os.listdir(self.failures_dir):
-                data = read_json(self.failures_dir / n)
-                if not isinstance(data, dict) or now - float(data.get("at", 0)) > FAILURE_TTL_S:
-                    with contextlib.suppress(OSError):
-                        os.unlink(self.failures_dir / n)
-        sc = self.root / "stat-cache"
-        with contextlib.suppress(FileNotFoundError):
-            for n in os.listdir(sc):
-                data = read_json(sc / n)
-                if not isinstance(data, dict) or not os.path.isdir(str(data.get("source"))):
-                    with contextlib.suppress(OSError):
-                        os.unlink(sc / n)
-        if purge_quarantine:
-            with contextlib.suppress(FileNotFoundError):
-                for n in os.listdir(self.quarantine_dir):
-                    rmtree_force(self.quarantine_dir / n)
-                    report.quarantine_removed += 1
-        return report
-
-    def cleanup(self, *, _held_key: str | None = None) -> CleanupReport:
-        """Remove what dead processes left: staging directories, lock files, trash, temporary files.
-
-        A staging directory is stale when its owner is known to be dead, or when its owner cannot
-        be checked (another host or container) and nobody holds its key's lock. Never touches
-        entries. (``_held_key``: this process holds that key's lock, so any staging of that key is
-        a dead process'.)
-        """
-        report = CleanupReport()
-        try:
-            names = sorted(os.listdir(self.staging_dir))
-        except FileNotFoundError:
-            names = []
-        bases = {n.removesuffix(".json") for n in names if not n.startswith(".")}
-        for base in sorted(bases):
-            key = base[:KEY_HEX_LEN]
-            if not KEY_RE.fullmatch(key):
-                continue
-            status_file = self.staging_dir / f"{base}.json"
-            data = read_json(status_file)
-            owner = data.get("owner") if isinstance(data, dict) else None
-            if owner is None:  # crashed before writing the status file: only the pid (name) is known
-                parts = base.split(".")
-                alive = None
-                if (
-                    len(parts) == 3
-                    and parts[1].isdigit()
-                    and process_alive(
-                        {"pid": int(parts[1]), "host": process_identity()["host"], "pid_ns": None, "boot_id": None}
-                    )
-                    is False
-                ):
-                    alive = False
-            else:
-                alive = process_alive(owner)
-            if alive is True:
-                continue
-            if alive is None and key != _held_key and not self._key_lock_free(key):
-                continue
-            rmtree_force(self.staging_dir / base)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(status_file)
-            report.staging_removed.append(base)
-        with contextlib.suppress(FileNotFoundError):
-            for n in sorted(os.listdir(self.locks_dir)):
-                if n.endswith(".lock") and KEY_RE.fullmatch(n[: -len(".lock")]):
-                    lock = FileLock(self.locks_dir / n)
-                    if lock.try_acquire():
-                        lock.release(unlink=True)
-                        report.locks_removed.append(n[: -len(".lock")])
-        with contextlib.suppress(FileNotFoundError):
-            for n in os.listdir(self.trash_dir):
-                rmtree_force(self.trash_dir / n)
-                report.trash_removed += 1
-        now = time.time()
-        for d in (self.root, self.staging_dir, self.root / "stat-cache", self.failures_dir):
-            with contextlib.suppress(FileNotFoundError):
-                for n in os.listdir(d):
-                    if n.startswith(".tmp."):
-                        with contextlib.suppress(OSError):
-                            if now - os.lstat(d / n).st_mtime > TMP_MAX_AGE_S:
-                                os.unlink(d / n)
-                                report.tmp_removed += 1
-        return report
-
-    def _key_lock_free(self, key: str) -> bool:
-        lock = FileLock(self.locks_dir / f"{key}.lock")
-        if lock.try_acquire():
-            lock.release(unlink=True)
-            return True
-        return False
-
-    # ------------------------------------------------------------------ integrity
-
-    def verify(self, key: str | None = None, *, quarantine: bool = True) -> list[VerifyResult]:
-        """Re-hash entry files against their manifests; move corrupt entries to ``quarantine/``.
-
-        A quarantined entry is never served again (a later request converts afresh). Checks:
-        the manifest parses and names this key, no file is missing, extra or a symlink, and every
-        file has the recorded size and digest.
-        """
-        if key is not None:
-            validate_key(key)
-            if not (self.entries_dir / key).is_dir():
-                raise EntryNotFoundError(key, self.root)
-            keys = [key]
-        else:
-            keys = sorted(e.key for e in self._scan_entries())
-        results = []
-        for k in keys:
-            res = self._check_entry(k)
-            if not res.ok and quarantine:
-                res.quarantined_to = self._quarantine(k, res.problems)
-            results.append(res)
-        return results
-
-    def _check_entry(self, key: str) -> VerifyResult:
-        d = self.entries_dir / key
-        res = VerifyResult(key, ok=True)
-        try:
-            manifest = Manifest.read(d / MANIFEST_NAME)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            res.ok = False
-            res.problems.append(f"manifest.json unreadable: {e}")
-            return res
-        if manifest.key != key:
-            res.problems.append(f"manifest.json is for key {manifest.key}, not {key}")
-        ckpt = d / CHECKPOINT_DIR
-        actual: dict[str, str] = {}
-        for dirpath, dirnames, filenames in os.walk(ckpt):
-            for n in dirnames + filenames:
-                p = os.path.join(dirpath, n)
-                rel = os.path.relpath(p, ckpt).replace(os.sep, "/")
-                st = os.lstat(p)
-                if stat_mod.S_ISLNK(st.st_mode):
-                    res.problems.append(f"{rel}: is a symlink")
-                elif stat_mod.S_ISREG(st.st_mode):
-                    actual[rel] = p
-        expected = {f.name: f for f in manifest.files}
-        for name in sorted(actual.keys() - expected.keys()):
-            res.problems.append(f"{name}: not in the manifest")
-        for name in sorted(expected.keys() - actual.keys()):
-            res.problems.append(f"{name}: missing")
-        for name in sorted(expected.keys() & actual.keys()):
-            rec = expected[name]
-            p = actual[name]
-            try:
-                size = os.stat(p).st_size
-                if size != rec.size:
-                    res.problems.append(f"{name}: size {size} bytes, manifest says {rec.size}")
-                    continue
-                digest = hash_file(p)
-            except OSError as e:
-                res.problems.append(f"{name}: unreadable: {e.strerror}")
-                continue
-            res.files_checked += 1
-            res.bytes_checked += size
-            if digest != rec.digest:
-                res.problems.append(f"{name}: content digest {digest} differs from the manifest's {rec.digest}")
-        res.ok = not res.problems
-        return res
-
-    def _quarantine(self, key: str, problems: list[str]) -> Path | None:
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        dest = self.quarantine_dir / f"{key}.{stamp}.{secrets.token_hex(2)}"
-        with self._gc_lock():
-            try:
-                os.rename(self.entries_dir / key, dest)
-            except FileNotFoundError:
-                return None
-            rmtree_force(self.leases_dir / key)
-        with contextlib.suppress(OSError):
-            (dest / "QUARANTINED.txt").write_text(
-                f"quarantined by transformd cache verify at {stamp}Z (pid {os.getpid()}):\n"
-                + "".join(f"- {p}\n" for p in problems)
-            )
-        return dest
 
 
 def _relocate(obj: Any, old: str, new: str) -> Any:
@@ -1408,10 +695,3 @@ def _relocate(obj: Any, old: str, new: str) -> Any:
     return obj
 
 
-def _du(path: Path) -> int:
-    total = 0
-    for dirpath, _, filenames in os.walk(path):
-        for n in filenames:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, n)).st_size
-    return total

@@ -18,7 +18,7 @@ from ..progress import human_bytes
 from .common import exit_code, fail
 
 if TYPE_CHECKING:
-    from ..cache.store import Cache, VerifyResult
+    from ..cache import Cache, VerifyResult
 
 
 def _ago(t: float | None, now: float) -> str:

@@ -1,0 +1,194 @@
+"""Conversions in flight and failed, as every process can read them: ``staging/<name>.json`` and
+``failures/<key>.json``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._durable import (
+    read_json,
+    write_json_atomic,
+)
+from .keys import (
+    validate_key,
+)
+from .lock import process_identity
+from .manifest import MANIFEST_NAME, jsonable
+
+#: How often the in-flight status file is rewritten at most (seconds).
+STATUS_INTERVAL_S = 0.25
+#: How long a failed conversion's record is reported by :meth:`Cache.status` (seconds).
+FAILURE_TTL_S = 3600.0
+
+
+
+
+@dataclass(frozen=True)
+class ConversionStatus:
+    """Where a key stands, as any process can read it.
+
+    ``state``: ``converting`` (a live process converts it), ``publishing`` (digests, fsync,
+    rename), ``ready`` (an entry exists), ``failed`` (the last attempt failed within the last
+    hour; ``error`` says why). ``detail`` is the converter's latest progress update (JSON).
+    ``waiting`` is True in the updates a process receives while another process converts.
+    """
+
+    key: str
+    state: str
+    pid: int | None = None
+    host: str | None = None
+    started_at: float | None = None
+    updated_at: float | None = None
+    source: str | None = None
+    estimate_bytes: int | None = None
+    #: the staging directory of the conversion (``staging/<key>.<pid>.<rand>``); the converter writes
+    #: ``checkpoint/`` inside it, which is renamed (same inodes) into ``entries/<key>/`` when done
+    staging_dir: str | None = None
+    detail: Any = None
+    error: str | None = None
+    error_type: str | None = None
+    waiting: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+
+
+class _StatusWriter:
+    """Writes ``staging/<name>.json`` (owner, reservation, progress) and forwards progress to the caller."""
+
+    def __init__(
+        self,
+        path: Path,
+        key: str,
+        source: str,
+        estimate: int,
+        user_progress: Callable[[ConversionStatus], None] | None,
+    ):
+        self.path = path
+        self.key = key
+        self.source = source
+        self.estimate = estimate
+        self.user_progress = user_progress
+        self.owner = process_identity()
+        self.started_at = time.time()
+        self.state = "converting"
+        self.detail: Any = None
+        self._last_write = 0.0
+
+    def status(self) -> ConversionStatus:
+        return ConversionStatus(
+            key=self.key,
+            state=self.state,
+            pid=self.owner["pid"],
+            host=self.owner["host"],
+            started_at=self.started_at,
+            updated_at=time.time(),
+            source=self.source,
+            estimate_bytes=self.estimate,
+            staging_dir=str(self.path.with_suffix("")) if self.path.name.endswith(".json") else None,
+            detail=self.detail,
+        )
+
+    def write(self, *, force: bool = True) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_write < STATUS_INTERVAL_S:
+            return
+        self._last_write = now
+        data = self.status().as_dict()
+        data["owner"] = self.owner
+        write_json_atomic(self.path, data)
+
+    def set_state(self, state: str, detail: Any = None) -> None:
+        self.state = state
+        if detail is not None:
+            self.detail = detail
+        self.write(force=True)
+        if self.user_progress is not None:
+            self.user_progress(self.status())
+
+    def __call__(self, update: Any) -> None:
+        self.detail = jsonable(update)
+        self.write(force=False)
+        if self.user_progress is not None:
+            self.user_progress(self.status())
+
+
+def _status_from_file(data: Any, *, waiting: bool = False) -> ConversionStatus | None:
+    if not isinstance(data, dict) or not isinstance(data.get("key"), str):
+        return None
+    fields = ConversionStatus.__dataclass_fields__
+    kw = {k: v for k, v in data.items() if k in fields}
+    kw["waiting"] = waiting
+    try:
+        return ConversionStatus(**kw)
+    except TypeError:
+        return None
+
+
+
+
+class StatusMixin:
+    """The :class:`~transformd.cache.store.Cache` methods that report conversions in flight and failed ones
+    (a part of ``Cache``, kept here for size; it uses the cache's directories and locks)."""
+
+
+    def _in_flight_status(self, key: str, *, waiting: bool = False) -> ConversionStatus | None:
+        best = None
+        for data in self._live_stagings():
+            if data.get("key") == key:
+                st = _status_from_file(data, waiting=waiting)
+                if st is not None and (best is None or (st.updated_at or 0) > (best.updated_at or 0)):
+                    best = st
+        return best
+
+    def status(self, key: str) -> ConversionStatus | None:
+        """``ready``, ``converting``/``publishing`` (with progress), ``failed`` (recently, with the error), or None."""
+        validate_key(key)
+        if (self.entries_dir / key / MANIFEST_NAME).exists():
+            return ConversionStatus(key=key, state="ready")
+        st = self._in_flight_status(key)
+        if st is not None:
+            return st
+        failure = self._failure(key)
+        if failure is not None and time.time() - float(failure.get("at", 0)) < FAILURE_TTL_S:
+            return ConversionStatus(
+                key=key,
+                state="failed",
+                pid=failure.get("pid"),
+                updated_at=failure.get("at"),
+                error=failure.get("message"),
+                error_type=failure.get("error_type"),
+            )
+        return None
+
+    def in_flight(self) -> list[ConversionStatus]:
+        """Conversions in progress in any live process."""
+        out = [_status_from_file(d) for d in self._live_stagings()]
+        return [s for s in out if s is not None]
+
+
+    def _record_failure(self, key: str, exc: Exception) -> None:
+        with contextlib.suppress(OSError):
+            write_json_atomic(
+                self.failures_dir / f"{key}.json",
+                {
+                    "key": key,
+                    "error_type": type(exc).__name__,
+                    "message": str(exc)[:4000],
+                    "at": time.time(),
+                    "pid": os.getpid(),
+                },
+            )
+
+    def _failure(self, key: str) -> dict[str, Any] | None:
+        data = read_json(self.failures_dir / f"{key}.json")
+        return data if isinstance(data, dict) else None
+
