@@ -418,7 +418,8 @@ def test_commands_register_on_the_main_parser(world, capsys):
 
 
 def _status(state: str, done: int, key: str = "k" * 32) -> CheckpointStatus:
-    return CheckpointStatus(key=key, state=state, progress=Progress(done, 10, done * 100, 1000, 50.0, 3.0))
+    return CheckpointStatus(key=key, state=state, progress=Progress(tensors_done=done, tensors_total=10, bytes_done=done * 100,
+                                                                     bytes_total=1000, rate_bytes_per_s=50.0, eta_s=3.0))
 
 
 def test_progress_lines_every_few_seconds():

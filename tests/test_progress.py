@@ -23,7 +23,8 @@ def _run(eta: Eta, clock: Clock, steps: list[tuple[float, int, int]], totals: tu
     out = []
     for i, (t, done, conv) in enumerate(steps):
         clock.t = t
-        out.append(eta.update(Progress("s", i, len(steps), done, totals[0], conv, totals[1])))
+        out.append(eta.update(Progress(shard="s", tensors_done=i, tensors_total=len(steps), bytes_done=done, bytes_total=totals[0],
+                                       convert_bytes_done=conv, convert_bytes_total=totals[1])))
     return out
 
 
@@ -52,7 +53,8 @@ def test_lines_for_logs_every_period_with_the_eta() -> None:
     progress = ConvertProgress(stream, every_s=5.0, tty=False, clock=clock)
     for i in range(0, 21):
         clock.t = float(i)
-        progress.update(Progress("s", i, 20, 5 * MB * i, 100 * MB, 5 * MB * i, 100 * MB))
+        progress.update(Progress(shard="s", tensors_done=i, tensors_total=20, bytes_done=5 * MB * i, bytes_total=100 * MB,
+                                 convert_bytes_done=5 * MB * i, convert_bytes_total=100 * MB))
     lines = stream.getvalue().splitlines()
     assert len(lines) == 4, lines  # at 5, 10, 15 and 20 s after the first update
     assert lines[0].startswith("transformd: converting 23.8 MiB/95.4 MiB (25%), 5/20 tensors, 4.8 MiB/s, ~15s left")
@@ -68,3 +70,22 @@ def test_summary_line() -> None:
     )
     timed = summary(result, "cache entry /c", timings={"identify": 2.0, "convert": 14.0, "publish": 0.5, "total": 16.5})
     assert "in 16.5 s (identify 2.0 s, convert 14.0 s, publish 0.5 s), 47.7 MiB/s" in timed
+
+
+def test_one_progress_record_from_the_pipeline_to_the_client() -> None:
+    """The pipeline, the cache's status, the daemon's schema and the client share one record type."""
+    import dataclasses
+
+    from transformd import checkpoint, client, progress
+    from transformd.cache import ConversionStatus
+    from transformd.daemon.schemas import ProgressModel
+
+    assert checkpoint.Progress is client.Progress is progress.Progress
+    names = [f.name for f in dataclasses.fields(progress.Progress)]
+    assert list(ProgressModel.model_fields) == names
+    sent = progress.Progress(phase="converting", shard="a", tensors_done=1, tensors_total=2, bytes_done=3,
+                             bytes_total=4, convert_bytes_done=1, convert_bytes_total=2)
+    status = ConversionStatus(key="k" * 32, state="converting", detail=dataclasses.asdict(sent), waiting=True)
+    assert status.progress == sent.replace(phase="waiting")
+    answer = ProgressModel.model_validate(sent.as_dict()).model_dump()
+    assert client.CheckpointStatus.from_json({"key": "k", "state": "converting", "progress": answer}).progress == sent

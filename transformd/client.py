@@ -55,6 +55,7 @@ from .errors import (
     UnauthorizedError,
     error_class,
 )
+from .progress import Progress
 
 __all__ = [
     "DEFAULT_RECONNECT_S",
@@ -105,35 +106,6 @@ def error_for_status(status: int, message: str, code: str | None = None) -> Tran
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Answers
-
-
-@dataclass(frozen=True)
-class Progress:
-    """How far a conversion is; any field the daemon did not send is ``None``."""
-
-    tensors_done: int | None = None
-    tensors_total: int | None = None
-    bytes_done: int | None = None
-    bytes_total: int | None = None
-    rate_bytes_per_s: float | None = None
-    eta_s: float | None = None
-    #: What the daemon is doing (e.g. hashing the source, converting, publishing), when it says.
-    phase: str | None = None
-    #: The shard the converter reported last.
-    shard: str | None = None
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any] | None) -> Progress | None:
-        if not data:
-            return None
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
-
-    @property
-    def fraction(self) -> float | None:
-        """Bytes done / bytes total, when both are known."""
-        if self.bytes_total and self.bytes_done is not None:
-            return min(1.0, self.bytes_done / self.bytes_total)
-        return None
 
 
 @dataclass(frozen=True)

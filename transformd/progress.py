@@ -8,9 +8,8 @@ optimistic while the copies run ("38% ... 00:00 left" with most of the time stil
 converted, over a sliding window. Only when nothing is left to convert (or the checkpoint has no
 MXFP8 weight) does it fall back to all bytes.
 
-Progress updates are anything with the counters of :class:`transformd.checkpoint.Progress`
-(``bytes_done``, ``bytes_total``, ``tensors_done``, ``tensors_total``, ``convert_bytes_done``,
-``convert_bytes_total``), as attributes or as a dict (the cache's ``ConversionStatus.detail``).
+:class:`Progress` is the record itself, the same from the pipeline to the client; a dict of it (the cache's
+``ConversionStatus.detail``, an API answer) is read with :meth:`Progress.from_json`.
 
 No torch here: the daemon and the command line use it.
 """
@@ -18,27 +17,79 @@ No torch here: the daemon and the command line use it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any, TextIO
 
-__all__ = ["RATE_WINDOW_S", "ConvertProgress", "Eta", "counters", "human_bytes", "human_seconds", "summary"]
+__all__ = ["COUNTERS", "RATE_WINDOW_S", "ConvertProgress", "Eta", "Progress", "counters", "human_bytes", "human_seconds", "summary"]
 
 #: Window of the rate estimates (seconds).
 RATE_WINDOW_S = 10.0
-_COUNTERS = ("tensors_done", "tensors_total", "bytes_done", "bytes_total", "convert_bytes_done", "convert_bytes_total")
+#: The counters of a :class:`Progress` (the fields that only grow while a conversion runs).
+COUNTERS = ("tensors_done", "tensors_total", "bytes_done", "bytes_total", "convert_bytes_done", "convert_bytes_total")
 
 
-def counters(update: Any) -> dict[str, int]:
-    """The progress counters of ``update`` (a Progress, a dict, or an object carrying one in ``detail``)."""
-    detail = getattr(update, "detail", update)
-    get = detail.get if isinstance(detail, dict) else (lambda name: getattr(detail, name, None))
-    out = {}
-    for name in _COUNTERS:
-        value = get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            out[name] = value
-    return out
+@dataclass(frozen=True)
+class Progress:
+    """How far a conversion is: the one record that flows from the pipeline (after each tensor) through the cache
+    (its status files), the daemon (its jobs and answers: ``progress`` in the API) to the client and the CLI's
+    display. A field nobody knows is ``None``.
+
+    ``bytes_*`` count every input tensor byte; ``convert_bytes_*`` only the MXFP8 weights' codes, the bytes that
+    are converted rather than copied (much slower on the CPU): an ETA comes from those (:class:`Eta`).
+    ``phase``: validating, queued, converting, waiting (another process converts it), publishing, done, failed.
+    """
+
+    phase: str | None = None
+    shard: str | None = None
+    tensors_done: int | None = None
+    tensors_total: int | None = None
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+    convert_bytes_done: int | None = None
+    convert_bytes_total: int | None = None
+    rate_bytes_per_s: float | None = None
+    eta_s: float | None = None
+    updated_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def replace(self, **changes: Any) -> Progress:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Progress | None:
+        """The record in ``data`` (a dict, e.g. JSON from a status file or an answer; or a Progress), keeping only
+        well-formed values: counters are ints >= 0, rates and times numbers, names strings. None for no dict."""
+        if isinstance(data, Progress):
+            return data
+        if not isinstance(data, dict):
+            return None
+        out: dict[str, Any] = {name: data[name] for name in COUNTERS if _count(data.get(name))}
+        out.update({name: float(data[name]) for name in ("rate_bytes_per_s", "eta_s", "updated_at")
+                    if isinstance(data.get(name), (int, float)) and not isinstance(data.get(name), bool)})
+        out.update({name: data[name] for name in ("phase", "shard") if isinstance(data.get(name), str)})
+        return cls(**out)
+
+    @property
+    def fraction(self) -> float | None:
+        """Bytes done / bytes total, when both are known."""
+        if self.bytes_total and self.bytes_done is not None:
+            return min(1.0, self.bytes_done / self.bytes_total)
+        return None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def counters(update: Progress | dict[str, Any] | None) -> dict[str, int]:
+    """The counters of ``update`` (a :class:`Progress` or its dict) that are known."""
+    progress = Progress.from_json(update)
+    return {} if progress is None else {n: getattr(progress, n) for n in COUNTERS if getattr(progress, n) is not None}
 
 
 class _Rate:
@@ -119,7 +170,9 @@ class ConvertProgress:
         self._bar: Any = None
         self._next_line: float | None = None
 
-    def update(self, update: Any) -> None:
+    def update(self, update: Progress | None) -> None:
+        if update is None:
+            return
         c = counters(update)
         eta = self._eta.update(update)
         if "bytes_total" not in c or "bytes_done" not in c:
@@ -132,8 +185,8 @@ class ConvertProgress:
             self._next_line = now + self._every
         elif now >= self._next_line:
             self._next_line = now + self._every
-            state = getattr(update, "state", None) or "converting"
-            print(f"transformd: {state} {self.describe(c, self._eta.rate, eta)}", file=self._stream, flush=True)
+            print(f"transformd: {update.phase or 'converting'} {self.describe(c, self._eta.rate, eta)}",
+                  file=self._stream, flush=True)
 
     @staticmethod
     def describe(c: dict[str, int], rate: float | None, eta: float | None) -> str:

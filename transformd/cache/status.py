@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..progress import Progress
 from .._durable import (
     read_json,
     write_json_atomic,
@@ -57,6 +58,13 @@ class ConversionStatus:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @property
+    def progress(self) -> Progress | None:
+        """The converter's latest :class:`~transformd.progress.Progress`, its phase this status's (``waiting`` when
+        another process converts); None when it sent none (a converter may report any JSON object)."""
+        progress = Progress.from_json(self.detail)
+        return None if progress is None else progress.replace(phase="waiting" if self.waiting else self.state)
 
 
 

@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 import torch
 
 from .. import _durable
+from ..progress import Progress
 from ..convert import convert_weight, resolve_device
 from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target, tile_grid
 from ..kernels import convert_triton
@@ -125,29 +126,13 @@ class Run:
         self.convert_bytes_done += converted
         if self.progress is not None:
             self.progress(
-                Progress(shard, self.tensors_done, self.plan.tensor_count, self.bytes_done, self.plan.data_bytes,
-                         self.convert_bytes_done, self.plan.convert_bytes)
+                Progress(phase="converting", shard=shard, tensors_done=self.tensors_done,
+                         tensors_total=self.plan.tensor_count, bytes_done=self.bytes_done,
+                         bytes_total=self.plan.data_bytes, convert_bytes_done=self.convert_bytes_done,
+                         convert_bytes_total=self.plan.convert_bytes)
             )
 
 
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Reported to ``progress`` after each tensor (and after each shard copied whole).
-
-    ``bytes_*`` count every input tensor byte; ``convert_bytes_*`` only the MXFP8 weights' codes, the
-    bytes that are converted rather than copied (much slower on the CPU): an ETA should come from
-    those (:class:`transformd.progress.Eta`).
-    """
-
-    shard: str
-    tensors_done: int
-    tensors_total: int
-    bytes_done: int
-    bytes_total: int
-    convert_bytes_done: int = 0
-    convert_bytes_total: int = 0
 
 
 

@@ -174,7 +174,8 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     cache = Cache(args.cache_dir, device=args.device)
     with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
         entry = cache.get_or_convert(
-            args.src, Recipe(target=target, scale_mode=args.scale_mode, select=args.select), progress=bar.update
+            args.src, Recipe(target=target, scale_mode=args.scale_mode, select=args.select),
+            progress=lambda status: bar.update(status.progress)
         )
     _print_outcome(readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)

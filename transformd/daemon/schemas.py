@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from ..hub import MAX_REVISION_CHARS, REPO_ID_PATTERN, REVISION_PATTERN
+from ..progress import Progress
 from ..selectre import SelectError, compile_select
 
 State = Literal["queued", "converting", "ready", "failed"]
@@ -104,18 +106,20 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-class ProgressModel(BaseModel):
-    phase: str = Field(
-        ..., description="validating, queued, converting, waiting (another process converts), publishing, done, failed"
-    )
-    tensors_done: int | None = None
-    tensors_total: int | None = None
-    bytes_done: int | None = Field(None, description="input bytes converted so far")
-    bytes_total: int | None = None
-    rate_bytes_per_s: float | None = None
-    eta_s: float | None = Field(None, description="estimated seconds left")
-    shard: str | None = Field(None, description="the shard the converter reported last")
-    updated_at: float | None = None
+#: What the API says of each :class:`~transformd.progress.Progress` field (the model is built from the record itself,
+#: so the schema and the record cannot drift apart).
+_PROGRESS_DOCS = {
+    "phase": "validating, queued, converting, waiting (another process converts), publishing, done, failed",
+    "shard": "the shard the converter reported last",
+    "bytes_done": "input bytes converted so far",
+    "convert_bytes_done": "MXFP8 weight bytes converted so far (the slow part; the ETA comes from these)",
+    "eta_s": "estimated seconds left",
+}
+ProgressModel = create_model(
+    "ProgressModel",
+    **{name: (hint, Field(None, description=_PROGRESS_DOCS.get(name)))
+       for name, hint in typing.get_type_hints(Progress).items()},
+)
 
 
 class CheckpointInfo(BaseModel):

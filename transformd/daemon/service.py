@@ -24,14 +24,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
 
 from ..cache import Cache, ConversionStatus, Entry, Recipe, SourceIdentity
-from ..progress import Eta, counters
+from ..progress import COUNTERS, Eta, Progress
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
 from .paths import SourcePolicy
@@ -56,52 +56,6 @@ class ConversionCancelled(BaseException):
 
     A BaseException, like KeyboardInterrupt: the cache removes the staging directory but records no failure.
     """
-
-
-@dataclass(frozen=True)
-class ProgressInfo:
-    """Where a conversion stands. ``phase``: validating, queued, converting, waiting (another process converts
-    it), publishing (digests and fsync), done, failed."""
-
-    phase: str
-    tensors_done: int | None = None
-    tensors_total: int | None = None
-    bytes_done: int | None = None
-    bytes_total: int | None = None
-    rate_bytes_per_s: float | None = None
-    eta_s: float | None = None
-    shard: str | None = None
-    updated_at: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class _RateMeter:
-    """Bytes per second over the last :data:`RATE_WINDOW_S` seconds."""
-
-    def __init__(self) -> None:
-        self._samples: collections.deque[tuple[float, int]] = collections.deque()
-
-    def add(self, t: float, done: int) -> float | None:
-        self._samples.append((t, done))
-        while len(self._samples) > 2 and t - self._samples[0][0] > RATE_WINDOW_S:
-            self._samples.popleft()
-        t0, d0 = self._samples[0]
-        return (done - d0) / (t - t0) if t - t0 >= 0.2 and done >= d0 else None
-
-
-def progress_from_detail(detail: Any) -> dict[str, Any]:
-    """The counters of a converter's progress update (a :class:`transformd.checkpoint.Progress` as a dict)."""
-    out: dict[str, Any] = {}
-    if isinstance(detail, dict):
-        for name in ("tensors_done", "tensors_total", "bytes_done", "bytes_total"):
-            value = detail.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                out[name] = value
-        if isinstance(detail.get("shard"), str):
-            out["shard"] = detail["shard"]
-    return out
 
 
 class Job:
@@ -129,8 +83,7 @@ class Job:
         self.staging_dir: str | None = None
         self.cancel = threading.Event()
         self.validation: asyncio.Task[None] | None = None
-        self._progress = ProgressInfo("validating", updated_at=self.created_at)
-        self._rate = _RateMeter()
+        self._progress = Progress("validating", updated_at=self.created_at)
         self._eta = Eta()
 
     @property
@@ -138,14 +91,11 @@ class Job:
         return self.state in ("queued", "converting")
 
     @property
-    def progress(self) -> ProgressInfo:
+    def progress(self) -> Progress:
         return self._progress
 
     def _set_progress(self, **changes: Any) -> None:
-        cur = asdict(self._progress)
-        cur.update(changes)
-        cur["updated_at"] = time.time()
-        self._progress = ProgressInfo(**cur)
+        self._progress = self._progress.replace(**changes, updated_at=time.time())
 
     def queued(self, outline: ConversionOutline | None) -> None:
         self.outline = outline
@@ -167,16 +117,18 @@ class Job:
             self.staging_dir = status.staging_dir
         phase = "waiting" if status.waiting else ("publishing" if status.state == "publishing" else "converting")
         changes: dict[str, Any] = {"phase": phase}
-        if phase != "publishing":  # publishing reports output bytes hashed, not conversion progress
-            changes.update(progress_from_detail(status.detail))
-        done, total = changes.get("bytes_done"), changes.get("bytes_total", self._progress.bytes_total)
-        if isinstance(done, int):
-            rate = self._rate.add(time.monotonic(), done)
+        update = status.progress
+        if phase != "publishing" and update is not None:  # publishing reports output bytes hashed, not progress
+            changes.update({n: getattr(update, n) for n in COUNTERS if getattr(update, n) is not None})
+            if update.shard is not None:
+                changes["shard"] = update.shard
+        if "bytes_done" in changes:
+            progress = self._progress.replace(**changes)
+            eta = self._eta.update(progress)  # from the bytes still to convert, not from fast copies
+            rate = self._eta.rate
             changes["rate_bytes_per_s"] = None if rate is None else round(rate, 1)
-            if total is not None:  # from the bytes still to convert, not from fast copies (transformd.progress)
-                eta = self._eta.update({**counters(status.detail), "bytes_done": done, "bytes_total": total})
-                if eta is not None:
-                    changes["eta_s"] = round(eta, 1)
+            if eta is not None and progress.bytes_total is not None:
+                changes["eta_s"] = round(eta, 1)
         self._set_progress(**changes)
 
     def finish(self, entry: Entry) -> None:

@@ -14,7 +14,8 @@ from ..safetensors_io import CheckpointError
 from ..errors import INVALID_INPUT_TYPES
 from .errors import ApiError
 from .files import EntryIndex, EntryInfo, file_object
-from .service import FINISHED_TTL_S, Job, ProgressInfo, progress_from_detail
+from ..progress import Progress
+from .service import FINISHED_TTL_S, Job
 from .shards import is_shard_file
 
 
@@ -43,7 +44,7 @@ def entry_view(info: EntryInfo, job: Job | None = None) -> dict[str, Any]:
     if job is not None and job.state == "ready":
         progress = job.progress.as_dict()
     else:
-        progress = ProgressInfo("done", updated_at=info.created_at).as_dict()
+        progress = Progress("done", updated_at=info.created_at).as_dict()
     out.update(
         path=str(info.path),
         size_bytes=info.size_bytes,
@@ -58,7 +59,7 @@ def entry_view(info: EntryInfo, job: Job | None = None) -> dict[str, Any]:
 def passthrough_view(source: str, why: str) -> dict[str, Any]:
     """Target auto on a GPU with native MX instructions: the source itself is the answer (nothing converted)."""
     out = _base("passthrough", "ready")
-    out.update(path=source, source=source, target_reason=why, progress=ProgressInfo("done").as_dict())
+    out.update(path=source, source=source, target_reason=why, progress=Progress("done").as_dict())
     return out
 
 
@@ -80,13 +81,12 @@ def foreign_view(status: ConversionStatus) -> dict[str, Any] | None:
     """A conversion of another process (or an earlier run) as the cache's status files show it; None if stale."""
     if status.state in ("converting", "publishing"):
         out = _base(status.key, "converting")
-        counters = progress_from_detail(status.detail) if status.state == "converting" else {}
+        reported = status.progress if status.state == "converting" else None
         out.update(
             source=status.source,
-            progress=ProgressInfo(
-                "publishing" if status.state == "publishing" else "converting",
+            progress=(reported or Progress()).replace(
+                phase="publishing" if status.state == "publishing" else "converting",
                 updated_at=status.updated_at,
-                **counters,
             ).as_dict(),
         )
         return out
@@ -100,7 +100,7 @@ def foreign_view(status: ConversionStatus) -> dict[str, Any] | None:
             "invalid_checkpoint" if invalid else "conversion_failed",
             f"{status.error_type}: {status.error}",
         )
-        out.update(error=err.body(), progress=ProgressInfo("failed", updated_at=status.updated_at).as_dict())
+        out.update(error=err.body(), progress=Progress("failed", updated_at=status.updated_at).as_dict())
         return out
     return None
 
