@@ -6,9 +6,14 @@ One run:
      the daemon's interpreter), convert the sample once,
   3. time N requests of each kind over the unix socket with one keep-alive httpx client, and the cached
      resolve again with a new connection per request (what a one-shot ``transformd resolve`` pays),
-  4. print a table of p50 / p99 / mean / max in milliseconds.
+  4. print a table of p50 / p99 / mean / max in milliseconds;
+  5. time whole processes, alternated round-robin so that a noisy machine weighs on each alike: the interpreter
+     alone, ``python -c "import httpx"``, ``import transformd.client``, and a warm ``transformd resolve SRC``
+     (what an engine's start-up hook pays on every start, on every rank), with each one's ratio to
+     ``import httpx`` (the goal: resolve <= 3x).
 
-    python benchmarks/api_bench.py [-n 500] [--layers 2 --experts 4 --shards 2] [--device cpu] [--json FILE]
+    python benchmarks/api_bench.py [-n 500] [--processes 20] [--layers 2 --experts 4 --shards 2] [--device cpu]
+                                   [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ def _start_daemon(sock: Path, cache: Path, models: Path, device: str) -> subproc
     cmd = [
         sys.executable,
         "-m",
-        "transformd.cli.serve",
+        "transformd",
         "serve",
         "--socket",
         str(sock),
@@ -90,9 +95,31 @@ def _row(name: str, samples: list[float], size: int | None = None) -> dict[str, 
     }
 
 
+def _whole_processes(runs: int, src: Path, sock: Path) -> list[dict[str, float | str]]:
+    """Median and best wall time of each command, the commands alternated ``runs`` times."""
+    script = Path(sys.executable).with_name("transformd")
+    resolve = [str(script)] if script.exists() else [sys.executable, "-m", "transformd"]
+    commands = {
+        "python -c pass (interpreter floor)": [sys.executable, "-c", "pass"],
+        'python -c "import httpx"': [sys.executable, "-c", "import httpx"],
+        'python -c "import transformd.client"': [sys.executable, "-c", "import transformd.client"],
+        "transformd resolve SRC (warm: a cache hit)": [*resolve, "resolve", str(src), "--socket", str(sock)],
+    }
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(runs + 1):  # the first round warms the page cache and .pyc files: not counted
+        for name, cmd in commands.items():
+            t = time.perf_counter()
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            times[name].append(time.perf_counter() - t)
+    base = statistics.median(times['python -c "import httpx"'][1:])
+    return [{"command": name, "median_s": statistics.median(ts[1:]), "best_s": min(ts[1:]),
+             "vs_httpx": statistics.median(ts[1:]) / base} for name, ts in times.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=500, help="requests per kind")
+    ap.add_argument("--processes", type=int, default=20, help="runs of each whole-process command")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--shards", type=int, default=2)
@@ -154,6 +181,7 @@ def main() -> None:
                 return c.post("/v1/checkpoints", json=body)
 
         rows.append(_row("POST /v1/checkpoints (cached, new client+conn.)", _time(args.n, fresh_connection, 200)))
+        processes = _whole_processes(args.processes, src, sock)
     finally:
         if proc is not None:
             proc.terminate()
@@ -174,8 +202,18 @@ def main() -> None:
             f"| {r['request']:<48} | {r['p50_ms']:7.2f} | {r['p99_ms']:7.2f} | {r['mean_ms']:7.2f} | "
             f"{r['max_ms']:7.2f} | {r['body_bytes'] or '':>8} |"
         )
+    print()
+    print(f"Whole processes ({args.processes} runs each, alternated; median and best wall time):")
+    print()
+    head = f"| {'command':<44} | {'median ms':>9} | {'best ms':>8} | {'x import httpx':>14} |"
+    print(head)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    for r in processes:
+        print(f"| {r['command']:<44} | {r['median_s'] * 1e3:9.1f} | {r['best_s'] * 1e3:8.1f} | "
+              f"{r['vs_httpx']:14.2f} |")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "cold_s": cold, "tensors": tensors}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "processes": processes, "cold_s": cold, "tensors": tensors},
+                                        indent=1))
 
 
 if __name__ == "__main__":

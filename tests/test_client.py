@@ -340,6 +340,25 @@ def test_cli_resolve_prints_only_the_directory(world):
     assert any("queued" in line for line in lines) and any("converting" in line and "%" in line for line in lines)
 
 
+#: Run ``transformd resolve`` (or any statement) in a fresh interpreter, then print the heavy modules it loaded.
+_IMPORTED = ("import sys\n{run}\n"
+             "print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'torch', 'triton', 'numpy', 'fastapi', "
+             "'uvicorn', 'safetensors', 'blake3', 'huggingface_hub'}}), file=sys.stderr)")
+
+
+def test_the_client_and_resolve_import_no_torch(world):
+    """Engines call the client and ``transformd resolve`` at every start, from every rank: neither may pay for
+    torch (or the daemon's own libraries). Checked on a warm resolve that really answers, in a fresh process."""
+    run = _IMPORTED.format(run="import transformd.client, transformd")
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0 and done.stderr.strip() == "[]", done.stderr
+    argv = ["resolve", str(world["models"] / "good"), "--socket", str(world["socket"]), "--target", "fnuz"]
+    run = _IMPORTED.format(run=f"from transformd.cli import main\ncode = main({argv!r})\nassert code == 0, code")
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0 and done.stdout.splitlines() == [str(world["converted"])], done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
+
+
 def test_cli_resolve_over_tcp_and_env_socket(world):
     run = _cli(str(world["models"] / "good"), "--url", world["url"], "--token-file", str(world["token_file"]))
     assert (run.returncode, run.stdout.strip()) == (0, str(world["converted"])), run.stderr
