@@ -401,3 +401,27 @@ def test_corrupt_checkpoints_are_422_and_the_daemon_keeps_serving(start, models:
         assert _resolve(http, models / "sample")["state"] == "ready"
         metrics = http.get("/metrics").text
     assert metric_value(metrics, "transformd_conversions_total", {"outcome": "invalid"}) == 2
+
+
+def test_a_request_reads_a_fresh_source_once_to_key_it_and_plans_it_once(start, tmp_path: Path, models: Path,
+                                                                         monkeypatch) -> None:
+    """A source written just now (inside the stat cache's racy window, so nothing is remembered) is hashed once
+    per file and planned once per request: the conversion reuses the request's identity and plan."""
+    from transformd import checkpoint
+    from transformd.cache import keys
+
+    src = write_sample_checkpoint(models / "fresh", layers=1, experts=2, shards=2)
+    hashed: list[str] = []
+    real_hash, real_plan = keys.hash_file, checkpoint.plan_conversion
+    plans: list[str] = []
+    monkeypatch.setattr(keys, "hash_file", lambda path, *a, **k: hashed.append(str(path)) or real_hash(path, *a, **k))
+    monkeypatch.setattr(checkpoint, "plan_conversion",
+                        lambda path, *a, **k: plans.append(str(path)) or real_plan(path, *a, **k))
+    daemon = start()
+    with daemon.client() as http:
+        body = _resolve(http, src)
+    files = sorted(p.name for p in src.iterdir())
+    assert len(hashed) == len(files), (hashed, files)
+    assert len(plans) == 1, plans
+    shards = {p.name for p in src.glob("*.safetensors")}
+    assert len(shards) == 2 and shards <= {p.name for p in Path(body["path"]).iterdir()}

@@ -354,8 +354,14 @@ def identity_of_tree(
     *,
     stat_cache: StatCache | None = None,
     before_hashing: Callable[[int], None] | None = None,
+    known: SourceIdentity | None = None,
 ) -> SourceIdentity:
     """The identity of the files of an opened :class:`SourceTree`, hashing what the stat cache does not know.
+
+    ``known``: an identity this process computed of the same directory moments ago (the daemon identifies a
+    source when the request comes, then converts it from a new open): a file whose full stat signature is
+    still the one recorded there keeps that digest, without being read again, even inside the stat cache's
+    racy window (the same signature check that tells whether a source changed during its conversion).
 
     Every byte hashed is read through the tree's checked descriptors. A digest that a hub blob name or a
     download record claims is used as the file's id only once the file's bytes were hashed and matched it
@@ -367,6 +373,10 @@ def identity_of_tree(
     if not tree.files:
         raise SourceError(f"source checkpoint directory {tree.src} contains no files")
     remembered = stat_cache.load(src_real) if stat_cache is not None else {}
+    just_read: dict[str, list[Any]] = {}
+    if known is not None and known.path == Path(src_real):
+        just_read = {rec.name: [*sig, rec.digest] for rec, sig in zip(known.files, known.stats)}  # noqa: B905
+        remembered = {**remembered, **just_read}
     updated: dict[str, list[Any]] = {}
     records: list[FileRecord] = []
     sigs: list[StatSig] = []
@@ -377,7 +387,8 @@ def identity_of_tree(
         old = remembered.get(rel)
         if isinstance(old, list) and len(old) == 6 and tuple(old[:5]) == sig:
             digest = str(old[5])
-            updated[rel] = old
+            if rel not in just_read or st.st_mtime_ns < time.time_ns() - RACY_WINDOW_NS:
+                updated[rel] = old
         else:
             if before_hashing is not None:
                 before_hashing(sum(x.st.st_size for x in tree.files))

@@ -9,6 +9,7 @@ See the package docstring (:mod:`transformd.cache`) for the on-disk layout and t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import secrets
@@ -92,14 +93,19 @@ class TransformdConverter:
         self.device = device
 
     def __call__(
-        self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None], *, shard_order: Any = None
+        self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None], *, shard_order: Any = None,
+        plan: Any = None,
     ) -> Any:
-        """``shard_order``: a :class:`transformd.checkpoint.ShardOrder` (the daemon's just-in-time shards)."""
+        """``shard_order``: a :class:`transformd.checkpoint.ShardOrder` (the daemon's just-in-time shards).
+        ``plan``: the :class:`~transformd.checkpoint.ConversionPlan` of the same content (the daemon planned it
+        when the request came; the cache checked the content still has the key asked for), read from ``src``."""
         # imported late: the cache does not need torch code
         from ..checkpoint import conversion_devices, plan_conversion, write_checkpoint
 
+        if plan is None or plan.select != recipe.select:
+            plan = plan_conversion(src, select=recipe.select)
         return write_checkpoint(
-            plan_conversion(src, select=recipe.select),
+            dataclasses.replace(plan, src=Path(src)),
             out,
             target=recipe.target,
             scale_mode=recipe.scale_mode,
@@ -418,8 +424,14 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
         timeout: float | None = None,
         lease_ttl: float | None = None,
         poll_interval: float = 0.1,
+        identity: SourceIdentity | None = None,
+        expect_key: str | None = None,
     ) -> Entry:
         """The entry of ``src`` converted with ``recipe``, converting it if needed.
+
+        ``identity``: this process' identity of ``src`` from moments ago (:meth:`identity`); files whose stat
+        signature is unchanged are not read again to key them. ``expect_key``: the key the caller asked for;
+        a source whose content no longer has it raises :class:`SourceChangedError` before anything is converted.
 
         Single flight: whatever the number of threads and processes asking for one key, one
         converts, the others poll (every ``poll_interval`` s, calling ``progress`` with the
@@ -437,7 +449,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
         recipe = recipe or Recipe()
         with self.open_source(src) as tree:
             return self._get_or_convert(
-                tree, src, recipe, progress, converter, timeout, lease_ttl, poll_interval
+                tree, src, recipe, progress, converter, timeout, lease_ttl, poll_interval, identity, expect_key
             )
 
     def _get_or_convert(
@@ -450,10 +462,17 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
         timeout: float | None,
         lease_ttl: float | None,
         poll_interval: float,
+        known: SourceIdentity | None,
+        expect_key: str | None,
     ) -> Entry:
         t0 = time.monotonic()
-        ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=self.check_fits)
+        ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=self.check_fits, known=known)
         key = cache_key(ident, recipe)
+        if expect_key is not None and key != expect_key:
+            raise SourceChangedError(
+                f"source {src} changed after it was requested (its content now has key {key}, not {expect_key}); "
+                "ask for it again"
+            )
         identify_s = time.monotonic() - t0
         deadline = None if timeout is None else time.monotonic() + timeout
         wait_started: float | None = None

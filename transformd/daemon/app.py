@@ -468,7 +468,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                     "running; wait for them",
                     headers={"Retry-After": "5"},
                 )
-        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid)
+        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
         d.creators.setdefault(key, job.uid if job.uid is not None else caller.uid)
         if job.state == "ready":
             info = await _thread(entries.info, key)

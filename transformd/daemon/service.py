@@ -18,13 +18,11 @@ cache removes their staging directories.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +69,8 @@ class Job:
         self.recipe = recipe
         #: uid of the caller whose request created the job (None: unknown)
         self.uid: int | None = None
+        #: the source's identity when the request came (keys the conversion without reading the source again)
+        self.identity: SourceIdentity | None = None
         self.priority = ShardPriority()
         self.outline: ConversionOutline | None = None
         self.state = "queued"
@@ -294,8 +294,12 @@ class ConversionService:
         """Active (queued or converting) jobs started by ``uid``."""
         return sum(1 for j in self._jobs.values() if j.active and j.uid == uid)
 
-    async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None) -> Job:
+    async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None,
+                         identity: SourceIdentity | None = None) -> Job:
         """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
+
+        ``identity``: the request's identity of the source (:meth:`identify`), so the conversion does not read
+        the source again to key it.
 
         Raises :class:`ApiError`: 422 invalid checkpoint (for every request waiting on the check), 503 queue
         full or shutting down.
@@ -317,6 +321,7 @@ class ConversionService:
             self._prune()
             job = Job(key, source, recipe)
             job.uid = uid
+            job.identity = identity
             self._jobs[key] = job
             job.validation = asyncio.ensure_future(self._validate(job))
         assert job.validation is not None
@@ -376,16 +381,11 @@ class ConversionService:
                 job.source,
                 job.recipe,
                 progress=job.on_status,
-                converter=bind_shard_order(self.converter, job.priority),
+                converter=bind_shard_order(self.converter, job.priority, job.outline.plan if job.outline else None),
+                identity=job.identity,
+                expect_key=job.key,
                 poll_interval=POLL_INTERVAL_S,
             )
-            if entry.key != job.key:
-                raise ApiError(
-                    409,
-                    "source_changed",
-                    f"source {job.source} changed after it was requested (its content now has key {entry.key}); "
-                    "POST it again",
-                )
             outcome = {"converted": "converted", "waited": "waited"}.get(entry.outcome, "hit")
             if outcome == "converted":
                 self.metrics.conversion_seconds.observe(time.monotonic() - t0)

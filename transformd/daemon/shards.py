@@ -90,6 +90,8 @@ class ConversionOutline:
     shards: tuple[str, ...]
     tensors_total: int | None = None
     bytes_total: int | None = None
+    #: the converter's own plan, handed back to it for the conversion (checked once per request, not twice)
+    plan: Any = None
 
 
 class ServiceConverter(Protocol):
@@ -111,21 +113,23 @@ class TransformdShardConverter(TransformdConverter):
         from ..checkpoint import plan_conversion
 
         plan = plan_conversion(src, select=recipe.select)
-        return ConversionOutline(tuple(s.name for s in plan.shards), plan.tensor_count, plan.data_bytes)
+        return ConversionOutline(tuple(s.name for s in plan.shards), plan.tensor_count, plan.data_bytes, plan)
 
     def __repr__(self) -> str:
         return f"TransformdShardConverter(device={self.device!r})"
 
 
-def bind_shard_order(converter: Any, shard_order: ShardOrder) -> Callable[..., Any]:
-    """``converter`` as a plain cache converter that passes ``shard_order`` if it takes one."""
+def bind_shard_order(converter: Any, shard_order: ShardOrder, plan: Any = None) -> Callable[..., Any]:
+    """``converter`` as a plain cache converter that passes ``shard_order`` (and ``plan``, its own plan from
+    :func:`plan_of`, when given) if it takes them."""
     try:
         params = inspect.signature(converter).parameters
     except (TypeError, ValueError):
         return converter
-    if "shard_order" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return functools.partial(converter, shard_order=shard_order)
-    return converter
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    extra = {name: value for name, value in (("shard_order", shard_order), ("plan", plan))
+             if value is not None and (takes_any or name in params)}
+    return functools.partial(converter, **extra) if extra else converter
 
 
 def plan_of(converter: Any, src: Path, recipe: Recipe) -> ConversionOutline | None:
