@@ -218,20 +218,25 @@ class LeaseInfo:
 # Where the daemon is
 
 
-def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
-    """``$TRANSFORMD_SOCKET`` > ``$XDG_RUNTIME_DIR/transformd.sock`` > ``/run/transformd/transformd.sock``.
+def default_socket_path(
+    environ: Mapping[str, str] | None = None, *, explicit: str | os.PathLike[str] | None = None,
+    listening: bool = False,
+) -> Path:
+    """The daemon's unix socket: ``explicit`` > ``$TRANSFORMD_SOCKET`` > ``$XDG_RUNTIME_DIR/transformd.sock`` >
+    ``/run/transformd/transformd.sock``; the one rule for the daemon (``listening``) and its clients.
 
-    ``$XDG_RUNTIME_DIR`` is skipped when no socket is there but the system-wide one exists, so a user
-    session on a node whose daemon is the system one (or a sidecar's) still finds it.
+    A client skips ``$XDG_RUNTIME_DIR`` when no socket is there but the system-wide one exists, so a user
+    session on a node whose daemon is the system one (or a sidecar's) still finds it; a daemon listens there.
     """
     env = os.environ if environ is None else environ
-    if env.get(ENV_SOCKET):
-        return Path(env[ENV_SOCKET])
+    chosen = explicit if explicit is not None and os.fspath(explicit) != "" else env.get(ENV_SOCKET)
+    if chosen:
+        return Path(chosen).expanduser().absolute()
     system = Path(DEFAULT_SOCKET)
     runtime = env.get("XDG_RUNTIME_DIR")
-    if runtime:
+    if runtime and os.path.isabs(runtime):
         user = Path(runtime) / _SOCKET_NAME
-        if user.exists() or not system.exists():
+        if listening or user.exists() or not system.exists():
             return user
     return system
 

@@ -49,13 +49,15 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ..client import DEFAULT_SOCKET
+from ..client import default_socket_path as client_socket_path
 from ..errors import BadRequestError
 from .peers import Caller, daemon_identity
 
 #: Environment variable prefix of every setting.
 ENV_PREFIX = "TRANSFORMD_"
 #: The socket of a daemon run as root when nothing else is configured.
-SYSTEM_SOCKET = Path("/run/transformd/transformd.sock")
+SYSTEM_SOCKET = Path(DEFAULT_SOCKET)
 #: Longest unix socket path the kernel accepts (sun_path is 108 bytes with the terminating NUL).
 MAX_SOCKET_PATH_BYTES = 107
 #: Upper bound of a bearer token file (it is one line).
@@ -71,20 +73,9 @@ class SettingsError(BadRequestError):
 
 
 def default_socket_path(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The unix socket path: ``explicit`` > ``$TRANSFORMD_SOCKET`` > ``$XDG_RUNTIME_DIR/transformd.sock`` >
-    ``/run/transformd/transformd.sock``.
-
-    The same order as the client's, so a client and a daemon started in one environment meet.
-    """
-    if explicit is not None and os.fspath(explicit) != "":
-        return Path(explicit).expanduser().absolute()
-    env = os.environ.get(ENV_PREFIX + "SOCKET")
-    if env:
-        return Path(env).expanduser().absolute()
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "transformd.sock"
-    return SYSTEM_SOCKET
+    """Where the daemon listens: the client's rule (:func:`transformd.client.default_socket_path`), so a client
+    and a daemon started in one environment meet."""
+    return client_socket_path(explicit=explicit, listening=True)
 
 
 class Settings(BaseSettings):
