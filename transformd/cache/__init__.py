@@ -79,6 +79,7 @@ Rules
 
 from ..progress import human_bytes
 from .budget import ENV_BUDGET, CacheUsage, CleanupReport, GcReport, parse_size
+from .converter import Converter, TransformdConverter
 from .entry import Entry
 from .errors import (
     CacheError,
@@ -96,7 +97,7 @@ from .keys import FileRecord, Recipe, SourceIdentity, cache_key, source_identity
 from .lease import CURRENT_PROCESS, Lease
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest
 from .status import ConversionStatus
-from .store import ENV_CACHE_DIR, Cache, Converter, TransformdConverter, default_root, existing_root
+from .store import ENV_CACHE_DIR, Cache, default_root, existing_root
 from .verify import VerifyResult
 
 __all__ = [
