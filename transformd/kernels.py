@@ -531,9 +531,18 @@ class PackedWeight:
 
     @property
     def tiles(self) -> int:
-        *lead, n, k = self.shape
-        nt, kt = tile_grid(n, k)
-        return math.prod(lead) * nt * kt
+        return math.prod(self.scale_inv_shape)
+
+    @property
+    def scale_inv_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:-2], *tile_grid(*self.shape[-2:]))
+
+    def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, E8M0 scales) of this weight in the uint8 ``buffer``, shaped."""
+        n = math.prod(self.shape)
+        codes = buffer[self.code_offset : self.code_offset + n].view(self.shape)
+        scales = buffer[self.scale_offset : self.scale_offset + n // MX_BLOCK]
+        return codes, scales.view(*self.shape[:-1], self.shape[-1] // MX_BLOCK)
 
 
 def _launch_group(
@@ -553,7 +562,7 @@ def _launch_group(
     for shape, q_off, s_off, o_off, sc_off in rows:
         *lead, n, k = shape
         firsts.append(tiles)
-        count = PackedWeight(shape, 0, 0, 0).tiles
+        count = PackedWeight(tuple(shape), 0, 0, 0).tiles
         if count:
             table.append((q_off, s_off, o_off, sc_off, n, k, tiles, 0))
         tiles += count
@@ -620,14 +629,7 @@ def convert_packed(
     aligned = all(w.code_offset % 16 == 0 for w in weights) and buffer.data_ptr() % 16 == 0 == out.data_ptr() % 16
     launched = _launch_group(rows, (buffer, buffer, out, out_scales), target, scale_mode, kernel, num_warps, aligned)
     if check:
-        def pair(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            w = weights[i]
-            n = math.prod(w.shape)
-            codes = buffer[w.code_offset : w.code_offset + n].view(w.shape)
-            scales = buffer[w.scale_offset : w.scale_offset + n // MX_BLOCK].view(*w.shape[:-1], -1)
-            return codes, scales
-
-        _check_group(launched, pair)
+        _check_group(launched, lambda i: weights[i].views(buffer))
 
 
 def convert_triton_grouped(
