@@ -25,6 +25,12 @@ Shared arithmetic facts:
   extreme magnitude, where intermediates could leave float32's normal range,
   use ``div_rn`` instead.
 
+Launches: :func:`convert_triton` converts one weight ([N, K], or an [E, N, K] stack) per launch;
+:func:`convert_triton_grouped` (a list of weights of any shapes) and :func:`convert_packed` (weights
+packed in one buffer, as the checkpoint pipeline batches them) convert many in one launch over all their
+tiles, through a table of offsets, so thousands of small per-expert tensors cost one launch, not thousands.
+Every launch runs the same tile programs (:func:`_tile_portable`, :func:`_tile_ptx`).
+
 Invalid input is not converted silently: each tile writes a status word
 (bit 0: NaN code, bit 1: E8M0 0xFF, bit 2: a decoded value that is not finite
 in float32) and the wrapper raises :class:`~transformd.formats.MxFormatError`.
