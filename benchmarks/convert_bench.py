@@ -310,11 +310,13 @@ def drop_caches(path: Path) -> str:
 
 
 def timed(cmd: list[str]) -> float:
+    """Seconds the whole process ``cmd`` took; its last line on standard error (the CLI's summary) is printed."""
     started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), check=False)
     seconds = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(f"#   {(proc.stderr.strip().splitlines() or [''])[-1][:300]}", file=sys.stderr, flush=True)
     return seconds
 
 

@@ -837,6 +837,8 @@ class _OpenFiles:
         fd = self._fds.get(shard)
         if fd is None:
             fd = self._fds[shard] = os.open(self.src / shard, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # read ahead the whole shard while its first pieces convert
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         view = memoryview(buf.reshape(-1).numpy()).cast("B")
         done = 0
         while done < len(view):
