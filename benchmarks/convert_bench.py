@@ -18,6 +18,14 @@ Before every cold measurement everything is synced and the source's pages are dr
     python benchmarks/convert_bench.py                      # 4 GiB on a GPU machine, 1 GiB on the CPU
     python benchmarks/convert_bench.py --gib 0.5 --json out.json
     python benchmarks/convert_bench.py --dir /nvme/bench --reuse   # keep and reuse the samples
+    python benchmarks/convert_bench.py --whole-process --gib 16 --rounds 2   # what users run, as root
+
+``--whole-process`` times whole processes instead, alternated in rounds on the same files: ``cp -r`` +
+``sync``; ``python -m transformd convert SRC --out D``; ``convert SRC --cache-dir C`` cold, then again (a
+warm hit); and, with the source in the page cache, ``convert --out`` against ``cp -r`` + ``sync`` (the time
+to write and fsync the same bytes). Cold means ``echo 3 > /proc/sys/vm/drop_caches`` (as root), else
+``posix_fadvise(DONTNEED)`` on the source. The sample stores experts as per-expert 2-D tensors (thousands)
+unless ``--fused``.
 
 Needs torch, safetensors and numpy; psutil, blake3 (the cache) and a GPU are optional.
 """
@@ -285,6 +293,88 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 # The run (the parent side)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Whole processes (--whole-process)
+
+
+def drop_caches(path: Path) -> str:
+    """Everything written back, then the page cache dropped: all of it as root, else ``path``'s pages."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        drop_from_page_cache(path)
+        return "fadvise"
+
+
+def timed(cmd: list[str]) -> float:
+    """Seconds the whole process ``cmd`` took; its last line on standard error (the CLI's summary) is printed."""
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), check=False)
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(f"#   {(proc.stderr.strip().splitlines() or [''])[-1][:300]}", file=sys.stderr, flush=True)
+    return seconds
+
+
+def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) -> str:
+    """Alternate the whole-process measurements for ``args.rounds`` rounds; return the table."""
+    src, dev = Path(sample["path"]), args.device
+    convert = [sys.executable, "-m", "transformd", "convert", str(src), "--device", dev, "--target", args.target,
+               "--scale-mode", args.scale_mode]
+    steps = [
+        ("cp -r SRC DST && sync", True, lambda: copy_and_sync(src, root / "copy")["seconds"],
+         root / "copy"),
+        ("convert SRC --out D", True, lambda: timed([*convert, "--out", str(root / "out")]), root / "out"),
+        ("convert SRC --cache-dir C (cold)", True, lambda: timed([*convert, "--cache-dir", str(root / "cache")]), None),
+        ("the same again (warm hit)", False, lambda: timed([*convert, "--cache-dir", str(root / "cache")]),
+         root / "cache"),
+        ("cp -r + sync, source in page cache", False, lambda: copy_and_sync(src, root / "copy")["seconds"],
+         root / "copy"),
+        ("convert --out, source in page cache", False, lambda: timed([*convert, "--out", str(root / "out")]),
+         root / "out"),
+    ]
+    imports = timed([sys.executable, "-c", "import torch, transformd.checkpoint, transformd.cli"])
+    times: dict[str, list[float]] = {name: [] for name, *_ in steps}
+    how = "?"
+    for _ in range(args.rounds):
+        for name, cold, step, cleanup in steps:
+            if cold:
+                how = drop_caches(src)
+            elif "page cache" in name:
+                subprocess.run(["cat", *map(str, sorted(src.rglob("*.safetensors")))], stdout=subprocess.DEVNULL,
+                               check=True)
+            times[name].append(step())
+            print(f"# {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
+            if cleanup is not None:
+                remove(cleanup)
+    gib = sample["bytes"] / GiB
+    lines = [f"whole processes, {args.rounds} rounds alternated on the same files; device {dev}, "
+             f"{args.target}/{args.scale_mode}; cold = {how} before the step",
+             f"sample: {_describe(sample)}, {_tensor_count(src)} tensors",
+             f"in {root} ({file_system(root)})",
+             f"python -c 'import torch, transformd.checkpoint, transformd.cli': {imports:.2f} s", ""]
+    floor = {True: min(times["cp -r SRC DST && sync"]), False: min(times["cp -r + sync, source in page cache"])}
+    header = f"{'what':<40} " + " ".join(f"{f'run {i + 1}':>16}" for i in range(args.rounds)) + f" {'GiB/s (best)':>13}"
+    lines.append(header)
+    for name, cold, *_ in steps:
+        ref = floor[cold or name.startswith("the same")]
+        cells = [f"{t:6.2f} s ({t / ref:4.2f}x)" for t in times[name]]
+        lines.append(f"{name:<40} " + " ".join(f"{c:>16}" for c in cells) + f" {gib / min(times[name]):13.2f}")
+    lines.append("ratios: cold steps against the best cold cp -r + sync; page-cache steps against the best cp -r + "
+                 "sync with the source in the page cache (writing and fsyncing the same bytes)")
+    return "\n".join(lines)
+
+
+def _tensor_count(src: Path) -> int:
+    from transformd.safetensors_io import read_header
+
+    return sum(len(read_header(f).tensors) for f in src.glob("*.safetensors"))
+
+
 def cache_available() -> str | None:
     """None when transformd.cache imports here; else why not."""
     proc = subprocess.run([sys.executable, "-c", "import transformd.cache"], capture_output=True, text=True,
@@ -316,8 +406,15 @@ def main(argv: list[str] | None = None) -> int:
         report["file_system"] = file_system(root)
         log(f"writing samples into {root} ({report['file_system']}) ...", file=sys.stderr)
         big = write_sample(root / "src", int(gib * GiB), fused=args.fused, reuse=args.reuse)
-        small = write_sample(root / "src-small", int(small_gib * GiB), fused=args.fused, reuse=args.reuse)
+        small = big if args.whole_process else write_sample(root / "src-small", int(small_gib * GiB),
+                                                              fused=args.fused, reuse=args.reuse)
         report["samples"] = {"big": big, "small": small}
+        if args.whole_process:
+            table = whole_process(args, root, big)
+            print(table)
+            if args.json:
+                Path(args.json).write_text(table + "\n")
+            return 0
 
         def cold(path: Path) -> None:
             os.sync()
@@ -436,6 +533,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-page-cache", action="store_true", help="do not drop the source from the page cache")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("-v", "--verbose", action="store_true", help="say what is being measured on stderr")
+    p.add_argument("--whole-process", action="store_true", help="time whole CLI processes against cp -r + sync")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the whole-process measurements")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

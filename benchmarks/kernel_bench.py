@@ -5,9 +5,13 @@ One run prints, for each layer shape:
   * elements/s and GB/s of the Triton kernel (bytes read + written), the device's own
     copy bandwidth for the same bytes, the PyTorch reference, and vLLM PR #45726's
     per-expert PyTorch path, all measured side by side in this one process;
+then, for per-expert 2-D weights as real checkpoints store them (DeepSeek-V3, Qwen3-30B-A3B, a dense
+matrix, shapes not multiple of 128), one launch per tensor against one grouped launch over all of
+them (``convert_triton_grouped`` on the list, and ``convert_packed`` on one buffer as the pipeline
+packs a batch), each checked bit for bit against the reference on the device;
 and then the block-scaled FP8 matmul check of the converted weights (target ocp).
 
-    python benchmarks/kernel_bench.py [--quick] [--json results.json]
+    python benchmarks/kernel_bench.py [--quick] [--grouped-only] [--json results.json]
 
 ``--smoke`` runs tiny shapes on the CPU (Triton interpreter) to check the script itself.
 """
@@ -32,12 +36,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.oracles import pr45726_convert  # noqa: E402
 from transformd.formats import tile_grid  # noqa: E402
-from transformd.kernels import convert_triton  # noqa: E402
+from transformd.kernels import PackedWeight, convert_packed, convert_triton, convert_triton_grouped  # noqa: E402
 from transformd.reference import convert_reference, dequantize_block, dequantize_mx  # noqa: E402
 
 SHAPES = {"E128 4096x7168": (128, 4096, 7168), "E128 7168x2048": (128, 7168, 2048), "E16 3072x3072": (16, 3072, 3072)}
 QUICK_SHAPES = {"E8 4096x7168": (8, 4096, 7168), "E16 3072x3072": (16, 3072, 3072)}
 SMOKE_SHAPES = {"E2 256x320": (2, 256, 320)}
+#: Per-expert 2-D weights (E tensors of N x K each): one launch per tensor vs one grouped launch.
+GROUPED_SHAPES = {
+    "DeepSeek-V3 256x 2048x7168": (256, 2048, 7168),
+    "DeepSeek-V3 256x 7168x2048": (256, 7168, 2048),
+    "Qwen3-30B 128x 768x2048": (128, 768, 2048),
+    "Qwen3-30B 128x 2048x768": (128, 2048, 768),
+    "dense 1x 8192x28672": (1, 8192, 28672),
+    "E64 1408x2048": (64, 1408, 2048),
+    "E16 3072x3072": (16, 3072, 3072),
+    "E32 2880x2880 (partial)": (32, 2880, 2880),
+    "E128 200x416 (partial)": (128, 200, 416),
+}
+SMOKE_GROUPED = {"E3 200x416": (3, 200, 416), "E1 128x128": (1, 128, 128)}
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -123,6 +140,73 @@ def run_shape(name, e, n, k, args, rows, checks, results):
         del ref
     rows.append((name, "PR #45726 per-expert path (amax)", pr_ms, numel / pr_ms / 1e6, None, None, 1.0))
     del q, s, out
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_grouped(name, e, n, k, rows, checks):
+    """E separate [N, K] weights packed in one buffer (codes, then scales): per-tensor vs grouped launches."""
+    dev = DEV
+    q3, s3 = random_mx(e, n, k, dev, seed=5)
+    codes = e * n * k
+    buf = torch.empty(codes + s3.numel(), dtype=torch.uint8, device=dev)
+    buf[:codes].copy_(q3.view(-1))
+    buf[codes:].copy_(s3.view(-1))
+    del q3, s3
+    q3, s3 = buf[:codes].view(e, n, k), buf[codes:].view(e, n, k // 32)
+    items = [(q3[i], s3[i]) for i in range(e)]
+    nt, kt = tile_grid(n, k)
+    moved = 2 * codes + s3.numel() + e * nt * kt * 8
+    src = torch.empty(codes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    copy_gbs = 2 * codes / copy_ms / 1e6
+    del src, dst
+    rows.append((name, "device copy (same bytes)", copy_ms, codes / copy_ms / 1e6, copy_gbs, 1.0, None))
+    pr_ms = wall_ms(lambda: pr45726_convert(q3.view(torch.float8_e4m3fn), s3, fnuz=True), reps=1)
+    out_buf = torch.empty_like(buf)
+    out_scales = torch.empty(e * nt * kt, dtype=torch.float32, device=dev)
+    outs = [(out_buf[i * n * k : (i + 1) * n * k].view(n, k), out_scales[i * nt * kt : (i + 1) * nt * kt].view(nt, kt))
+            for i in range(e)]
+    packed = [PackedWeight((n, k), i * n * k, codes + i * n * k // 32, i * nt * kt) for i in range(e)]
+    got3 = (out_buf[:codes].view(e, n, k), out_scales.view(e, nt, kt))
+
+    def row(label, ms):
+        rows.append((name, label, ms, codes / ms / 1e6, moved / ms / 1e6, moved / ms / 1e6 / copy_gbs, pr_ms / ms))
+
+    kernels = ("portable", "ptx") if DEV.type == "cuda" else ("portable",)
+    for mode in ("exact", "amax"):
+        ref = convert_reference(q3, s3, "fnuz", mode)
+        for kern in kernels:
+            for fn, what in ((lambda: convert_triton_grouped(items, "fnuz", mode, kernel=kern, out=outs), "grouped list"),
+                             (lambda: convert_packed(buf, out_buf, out_scales, packed, "fnuz", mode, kernel=kern), "packed")):
+                out_buf.zero_()
+                out_scales.zero_()
+                fn()
+                checks.append((name, mode, f"{what} {kern} == reference", same(got3, ref)))
+            if e <= 512:
+                out_buf.zero_()
+                for (qi, si), oi in zip(items, outs):
+                    convert_triton(qi, si, "fnuz", mode, kernel=kern, out=oi)
+                checks.append((name, mode, f"per-tensor {kern} == reference", same(got3, ref)))
+        del ref
+        for kern in kernels[-1:]:  # the device's default kernel (portable is checked above, not timed)
+            for warps in (4, 8):
+                def per_tensor():
+                    for (qi, si), oi in zip(items, outs):
+                        convert_triton(qi, si, "fnuz", mode, kernel=kern, num_warps=warps, out=oi, check=False)
+
+                row(f"{mode} {kern} w{warps}: one launch per tensor", bench_ms(per_tensor))
+                row(f"{mode} {kern} w{warps}: grouped, list of tensors", bench_ms(
+                    lambda: convert_triton_grouped(items, "fnuz", mode, kernel=kern, num_warps=warps, out=outs, check=False)))
+                row(f"{mode} {kern} w{warps}: grouped, packed buffer", bench_ms(
+                    lambda: convert_packed(buf, out_buf, out_scales, packed, "fnuz", mode, kernel=kern, num_warps=warps,
+                                           check=False)))
+        if e > 1:
+            row(f"{mode} default: one launch on the 3-D stack", bench_ms(
+                lambda: convert_triton(q3, s3, "fnuz", mode, out=got3, check=False)))
+    rows.append((name, "PR #45726 per-expert path (amax)", pr_ms, codes / pr_ms / 1e6, None, None, 1.0))
+    del buf, out_buf, out_scales, items, outs
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -216,6 +300,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to test this script")
+    ap.add_argument("--grouped-only", action="store_true", help="only the per-tensor vs grouped table")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if DEV.type != "cuda" and not args.smoke:
@@ -225,23 +310,28 @@ def main() -> int:
     print(f"# {gpu} | torch {torch.__version__} | triton {triton.__version__}")
     rows, checks, results = [], [], {}
     shapes = SMOKE_SHAPES if args.smoke else QUICK_SHAPES if args.quick else SHAPES
-    for name, (e, n, k) in shapes.items():
-        run_shape(name, e, n, k, args, rows, checks, results)
-    matmul_check(results, *((256, 512, 64) if args.smoke else ()))
-    if not args.smoke:
-        large_matrix_check(checks)
+    for name, (e, n, k) in (SMOKE_GROUPED if args.smoke else GROUPED_SHAPES).items():
+        run_grouped(name, e, n, k, rows, checks)
+        print(f"# {name} done", flush=True)
+    if not args.grouped_only:
+        for name, (e, n, k) in shapes.items():
+            run_shape(name, e, n, k, args, rows, checks, results)
+        matmul_check(results, *((256, 512, 64) if args.smoke else ()))
+        if not args.smoke:
+            large_matrix_check(checks)
 
-    print(f"\n{'shape':<16} {'variant':<44} {'ms':>9} {'G elem/s':>9} {'GB/s':>7} {'of copy':>8} {'x PR path':>9}")
+    print(f"\n{'shape':<28} {'variant':<48} {'ms':>9} {'G elem/s':>9} {'GB/s':>7} {'of copy':>8} {'x PR path':>9}")
     for name, label, ms, ges, gbs, frac, speed in rows:
         f = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        print(f"{name:<16} {label:<44} {ms:9.3f} {ges:9.1f} {f(gbs, '7.0f'):>7} {f(frac and frac * 100, '7.1f') + '%' if frac else '-':>8} {f(speed, '9.1f'):>9}")
+        print(f"{name:<28} {label:<48} {ms:9.3f} {ges:9.1f} {f(gbs, '7.0f'):>7} {f(frac and frac * 100, '7.1f') + '%' if frac else '-':>8} {f(speed, '9.1f'):>9}")
     print("\nbit-exactness on the whole tensors:")
     for name, mode, what, ok in checks:
-        print(f"  {'OK  ' if ok else 'FAIL'} {name:<16} {mode:<6} {what}")
-    print("\nblock-scaled FP8 matmul with converted weights (target ocp), rel. Frobenius error vs BF16 matmul:")
-    print(json.dumps(results["matmul"], indent=2))
-    print("\nvLLM PR #45726 path as run on this device vs the IEEE contract (fraction of tiles / codes that differ):")
-    print(json.dumps(results.get("pr45726_vs_ieee"), indent=2))
+        print(f"  {'OK  ' if ok else 'FAIL'} {name:<28} {mode:<6} {what}")
+    if "matmul" in results:
+        print("\nblock-scaled FP8 matmul with converted weights (target ocp), rel. Frobenius error vs BF16 matmul:")
+        print(json.dumps(results["matmul"], indent=2))
+        print("\nvLLM PR #45726 path as run on this device vs the IEEE contract (fraction of tiles / codes that differ):")
+        print(json.dumps(results.get("pr45726_vs_ieee"), indent=2))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "checks": checks, **results}, indent=2))
     return 0 if all(ok for *_, ok in checks) else 1

@@ -13,7 +13,15 @@ import torch
 
 from transformd import MxFormatError, convert_weight, dequantize_block, dequantize_mx, validate_pair
 from transformd.formats import tile_grid
-from transformd.kernels import convert_triton, default_kernel, round_to_e4m3fn
+from transformd.kernels import (
+    GroupMemberError,
+    PackedWeight,
+    convert_packed,
+    convert_triton,
+    convert_triton_grouped,
+    default_kernel,
+    round_to_e4m3fn,
+)
 from transformd.reference import convert_reference
 
 from .oracles import numpy_oracle, pr45726_convert
@@ -176,6 +184,75 @@ def test_kernel_matches_reference_awkward(case, target, mode, kernel):
     want = convert_reference(q, s, target, mode)
     got = convert_triton(q.to(DEVICE), s.to(DEVICE), target, mode, kernel=kernel)
     assert_same(got, want)
+
+
+# --- grouped launches: many weights of mixed shapes in one launch ---------------------------------------------
+
+
+def _mixed_group():
+    """2-D per-expert weights and 3-D stacks of every SHAPES entry, and every awkward case."""
+    items = []
+    for shape in SHAPES:
+        q, s = random_mx(shape, seed=sum(shape) + 1)
+        items.append((q[0], s[0]))  # 2-D
+        items.append((q, s))  # 3-D
+    items.extend(AWKWARD.values())
+    return items
+
+
+@pytest.mark.parametrize("kernel", kernel_variants())
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("target", TARGETS)
+def test_grouped_launch_matches_reference_on_mixed_shapes(target, mode, kernel):
+    items = _mixed_group()
+    empty = (torch.zeros((0, 64), dtype=torch.uint8), torch.zeros((0, 2), dtype=torch.uint8))
+    group = [(q.to(DEVICE), s.to(DEVICE)) for q, s in [*items[:3], empty, *items[3:]]]
+    got = convert_triton_grouped(group, target, mode, kernel=kernel)
+    assert len(got) == len(items) + 1
+    assert got.pop(3)[0].shape == (0, 64)
+    for (q, s), out in zip(items, got):
+        assert_same(out, convert_reference(q, s, target, mode))
+
+
+@pytest.mark.parametrize("kernel", kernel_variants())
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_launch_matches_reference(mode, kernel):
+    """convert_packed: weights at unaligned and aligned offsets of one buffer, outputs at the same offsets."""
+    items = _mixed_group()
+    buf, weights, at, scale_at = [], [], 0, 0
+    for i, (q, s) in enumerate(items):
+        pad = 16 if i % 2 else 3  # odd offsets too: ptx falls back to the portable program for the whole launch
+        code_off = at + pad
+        scale_off = code_off + q.numel()
+        weights.append(PackedWeight(tuple(q.shape), code_off, scale_off, scale_at))
+        at = scale_off + s.numel()
+        scale_at += weights[-1].tiles
+        buf.append((code_off, q, scale_off, s))
+    data = torch.full((at,), 0x7F, dtype=torch.uint8)  # NaN codes between the weights: never read
+    for code_off, q, scale_off, s in buf:
+        data[code_off : code_off + q.numel()] = q.reshape(-1)
+        data[scale_off : scale_off + s.numel()] = s.reshape(-1)
+    data = data.to(DEVICE)
+    out = torch.zeros_like(data)
+    out_scales = torch.zeros(scale_at, dtype=torch.float32, device=DEVICE)
+    convert_packed(data, out, out_scales, weights, "ocp", mode, kernel=kernel)
+    for w, (q, s) in zip(weights, items):
+        want_q, want_s = convert_reference(q, s, "ocp", mode)
+        got_q = out[w.code_offset : w.code_offset + q.numel()].view(q.shape)
+        got_s = out_scales[w.out_scale_offset : w.out_scale_offset + w.tiles].view(want_s.shape)
+        assert_same((got_q, got_s), (want_q, want_s))
+
+
+@pytest.mark.parametrize("kernel", kernel_variants())
+@pytest.mark.parametrize("case", ["NaN code 0x7F", "E8M0 0xFF", "overflow"])
+def test_grouped_launch_names_the_invalid_weight(case, kernel):
+    bad_q, bad_s, words = _invalid_cases()[case]
+    good = [random_mx((130, 96), seed=i) for i in range(3)]
+    items = [good[0], good[1], (bad_q, bad_s), good[2], (bad_q, bad_s)]
+    with pytest.raises(GroupMemberError, match=words) as err:
+        convert_triton_grouped([(q.to(DEVICE), s.to(DEVICE)) for q, s in items], kernel=kernel)
+    assert err.value.index == 2
+    assert isinstance(err.value, MxFormatError)
 
 
 #: (N, K) -> (tiles along N, tiles along K), counted by hand: the kernel and the reference share

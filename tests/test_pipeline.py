@@ -115,15 +115,54 @@ def test_kernel_converter_path_byte_identical(tmp_path: Path, monkeypatch) -> No
                                   hidden=160, moe_intermediate=64, head_dim=32, vocab=64)
     sequential_reference(src, tmp_path / "expected")
     made: list[object] = []
+    batches: list[int] = []
+
+    class Counting(pipeline._KernelConverter):
+        def __call__(self, slot, out, pieces):
+            batches.append(len(pieces))
+            return super().__call__(slot, out, pieces)
 
     def kernel_on_cpu(device, slot_bytes, target, scale_mode):
-        made.append(pipeline._KernelConverter(torch.device("cpu"), slot_bytes, target, scale_mode))
+        made.append(Counting(torch.device("cpu"), slot_bytes, target, scale_mode))
         return made[-1]
 
     monkeypatch.setattr(pipeline, "_make_converter", kernel_on_cpu)
     convert_checkpoint(src, tmp_path / "out", device="cpu", chunk_bytes=1)  # 128-row pieces of the 160-row q_proj
     assert made and made[0]._in is None, "device buffers are dropped when the job ends"
     assert_same_shards(tmp_path / "expected", tmp_path / "out")
+    assert max(batches) > 1, "pieces that fit one slot share a batch (one launch)"
+
+
+def test_batches_of_many_small_weights_byte_identical(tmp_path: Path, monkeypatch) -> None:
+    """Per-expert 2-D weights (as ModelOpt and MiniMax store them) go many to a slot: one launch per batch, same bytes.
+
+    The GPU converter's code (one copy each way, one grouped launch) runs in Triton's CPU interpreter; a slot as
+    large as a GPU's (``BATCH_BYTES``) holds every expert of a shard, and a tight budget cuts batches short.
+    """
+    if torch.cuda.is_available():
+        pytest.skip("runs the GPU path on the CPU; on a GPU machine the real path is exercised by the benchmark")
+    src = write_sample_checkpoint(tmp_path / "src", layers=2, experts=8, shards=2, hidden=160, moe_intermediate=64,
+                                  head_dim=32, vocab=64)
+    sequential_reference(src, tmp_path / "expected")
+    batches: list[int] = []
+
+    class Counting(pipeline._KernelConverter):
+        def __call__(self, slot, out, pieces):
+            batches.append(len(pieces))
+            return super().__call__(slot, out, pieces)
+
+    monkeypatch.setattr(pipeline, "_make_converter", lambda device, *args: Counting(torch.device("cpu"), *args))
+    real_size = pipeline._size_buffers
+    monkeypatch.setattr(pipeline, "_size_buffers", lambda *a, **kw: real_size(*a, **{**kw, "pinned": True}))
+    plan = plan_conversion(src)
+    weights = sum(len(s.pairs) for s in plan.shards)
+    convert_checkpoint(src, tmp_path / "out", device="cpu")
+    assert_same_shards(tmp_path / "expected", tmp_path / "out")
+    assert sum(batches) == weights and len(batches) < weights / 4, (batches, weights)
+    batches.clear()
+    convert_checkpoint(src, tmp_path / "tight", device="cpu", host_memory_bytes=96 * 1024)
+    assert_same_shards(tmp_path / "expected", tmp_path / "tight")
+    assert sum(batches) >= weights and max(batches) > 1, batches  # (pieces: some weights cut in rows)
 
 
 def test_several_devices_byte_identical(tmp_path: Path, monkeypatch) -> None:

@@ -115,6 +115,25 @@ def test_writer_pieces_and_byte_range_copy(tmp_path: Path) -> None:
     assert src_bytes[info.begin : info.end] == out_bytes[out_info.begin : out_info.end]
 
 
+def test_writer_takes_every_kind_of_buffer(tmp_path: Path) -> None:
+    """Tensors of any dtype and layout, memoryviews of a slot and 0-d tensors are written as their bytes."""
+    fp8 = torch.arange(64, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(8, 8)
+    strided = torch.arange(32, dtype=torch.float32).reshape(4, 8)[:, ::2]  # not contiguous: copied once
+    slot = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    specs = [("fp8", "F8_E4M3", [8, 8]), ("strided", "F32", [4, 4]), ("view", "U8", [16]), ("scalar", "F32", [])]
+    out = tmp_path / "out.safetensors"
+    with SafetensorsWriter(out, specs) as w:
+        w.write("fp8", fp8)
+        w.write("strided", strided)
+        w.write("view", memoryview(slot.numpy())[100:116])
+        w.write("scalar", torch.tensor(2.5))
+    loaded = load_file(str(out))
+    assert torch.equal(loaded["fp8"].view(torch.uint8), fp8.view(torch.uint8))
+    assert torch.equal(loaded["strided"], strided)
+    assert torch.equal(loaded["view"], slot[100:116])
+    assert float(loaded["scalar"]) == 2.5
+
+
 def test_writer_refuses_misuse(tmp_path: Path) -> None:
     specs = [("a", "F32", [2]), ("b", "U8", [3])]
     w = SafetensorsWriter(tmp_path / "m.safetensors", specs)

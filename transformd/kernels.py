@@ -25,12 +25,23 @@ Shared arithmetic facts:
   extreme magnitude, where intermediates could leave float32's normal range,
   use ``div_rn`` instead.
 
+Launches: :func:`convert_triton` converts one weight ([N, K], or an [E, N, K] stack) per launch;
+:func:`convert_triton_grouped` (a list of weights of any shapes) and :func:`convert_packed` (weights
+packed in one buffer, as the checkpoint pipeline batches them) convert many in one launch over all their
+tiles, through a table of offsets, so thousands of small per-expert tensors cost one launch, not thousands.
+Every launch runs the same tile programs (:func:`_tile_portable`, :func:`_tile_ptx`).
+
 Invalid input is not converted silently: each tile writes a status word
 (bit 0: NaN code, bit 1: E8M0 0xFF, bit 2: a decoded value that is not finite
 in float32) and the wrapper raises :class:`~transformd.formats.MxFormatError`.
 """
 
 from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -109,28 +120,17 @@ def _tile_status(bmax_is_nan, s, amax):
 
 
 @triton.jit
-def _mx_to_block_fp8_kernel(
-    q_ptr,
-    s_ptr,
-    out_ptr,
-    out_scale_ptr,
-    status_ptr,
-    N,
-    K,
-    EXACT: tl.constexpr,
-    FNUZ: tl.constexpr,
-    TILE_: tl.constexpr,
-    BLOCK_: tl.constexpr,
-):
-    """Portable kernel: integer decoding and rounding, identical on every back-end."""
-    pid_k = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_e = tl.program_id(2).to(tl.int64)
+def _tile_portable(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_):
+    """Portable tile program: integer decoding and rounding, identical on every back-end.
+
+    ``q_ptr``, ``s_ptr``, ``out_ptr``: the first byte of one [N, K] matrix (codes, E8M0 scales, output codes);
+    ``scale_ptr``, ``status_ptr``: where this tile's scale and status word go; (pid_n, pid_k): the tile.
+    """
     KB = K // BLOCK_
     NB: tl.constexpr = TILE_ // BLOCK_
 
     # 64-bit offset of the tile's first row; 32-bit offsets within the tile.
-    row0 = pid_e * N + pid_n * TILE_
+    row0 = (pid_n * TILE_).to(tl.int64)
     q_ptr += row0 * K
     out_ptr += row0 * K
     s_ptr += row0 * KB
@@ -173,10 +173,34 @@ def _mx_to_block_fp8_kernel(
         sign = tl.where(code == 0, 0, sign)  # -0 is NaN in FNUZ: write +0
         scale = scale * 2.0
     tl.store(out_ptr + q_off, (code | sign).to(tl.uint8), mask=qmask)
+    tl.store(scale_ptr, scale)
+    tl.store(status_ptr, status)
 
+
+@triton.jit
+def _mx_to_block_fp8_kernel(
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    out_scale_ptr,
+    status_ptr,
+    N,
+    K,
+    EXACT: tl.constexpr,
+    FNUZ: tl.constexpr,
+    TILE_: tl.constexpr,
+    BLOCK_: tl.constexpr,
+):
+    """Portable kernel over an [E, N, K] stack: grid (K tiles, N tiles, E)."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_e = tl.program_id(2).to(tl.int64)
+    mat = pid_e * N  # the expert's first row
     tile = (pid_e * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_k
-    tl.store(out_scale_ptr + tile, scale)
-    tl.store(status_ptr + tile, status)
+    _tile_portable(
+        q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tile, status_ptr + tile,
+        N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+    )
 
 
 # --- NVIDIA fast path: inline PTX on 32-bit words of four e4m3fn codes --------------------------
@@ -252,29 +276,17 @@ def _ptx_word_max(w):
 
 
 @triton.jit
-def _mx_to_block_fp8_ptx_kernel(
-    q_ptr,
-    s_ptr,
-    out_ptr,
-    out_scale_ptr,
-    status_ptr,
-    N,
-    K,
-    EXACT: tl.constexpr,
-    FNUZ: tl.constexpr,
-    TILE_: tl.constexpr,
-    BLOCK_: tl.constexpr,
-):
-    """NVIDIA kernel (sm_89+): the same tile program on 32-bit words of four codes."""
-    pid_k = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_e = tl.program_id(2).to(tl.int64)
+def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_):
+    """NVIDIA tile program (sm_89+): :func:`_tile_portable` on 32-bit words of four codes.
+
+    The same arguments; ``q_ptr`` and ``out_ptr`` must be 16-byte aligned (whole words, vector loads).
+    """
     KB = K // BLOCK_
     KW = K // 4
     NB: tl.constexpr = TILE_ // BLOCK_
     WB: tl.constexpr = BLOCK_ // 4
 
-    row0 = pid_e * N + pid_n * TILE_
+    row0 = (pid_n * TILE_).to(tl.int64)
     q_ptr = q_ptr.to(tl.pointer_type(tl.int32)) + row0 * KW
     out_ptr = out_ptr.to(tl.pointer_type(tl.int32)) + row0 * KW
     s_ptr += row0 * KB
@@ -320,10 +332,91 @@ def _mx_to_block_fp8_ptx_kernel(
     if FNUZ:
         scale = scale * 2.0
     tl.store(out_ptr + w_off, o, mask=wmask)
+    tl.store(scale_ptr, scale)
+    tl.store(status_ptr, status)
 
+
+@triton.jit
+def _mx_to_block_fp8_ptx_kernel(
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    out_scale_ptr,
+    status_ptr,
+    N,
+    K,
+    EXACT: tl.constexpr,
+    FNUZ: tl.constexpr,
+    TILE_: tl.constexpr,
+    BLOCK_: tl.constexpr,
+):
+    """NVIDIA kernel over an [E, N, K] stack: grid (K tiles, N tiles, E)."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_e = tl.program_id(2).to(tl.int64)
+    mat = pid_e * N
     tile = (pid_e * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_k
-    tl.store(out_scale_ptr + tile, scale)
-    tl.store(status_ptr + tile, status)
+    _tile_ptx(
+        q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tile, status_ptr + tile,
+        N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+    )
+
+
+# --- grouped launches: many weights, one launch -------------------------------------------------------------------
+
+# A group table row: 8 int64s (64 bytes): byte offsets of the codes, the E8M0 scales and the output codes from
+# their base pointers, the output scales' offset from theirs in float32 elements, N, K, the weight's first tile,
+# and its tile count.
+
+
+@triton.jit
+def _mx_to_block_fp8_grouped_kernel(
+    table_ptr,
+    owner_ptr,
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    out_scale_ptr,
+    status_ptr,
+    EXACT: tl.constexpr,
+    FNUZ: tl.constexpr,
+    PTX: tl.constexpr,
+    TILE_: tl.constexpr,
+    BLOCK_: tl.constexpr,
+):
+    """Tiles of many weights in one launch: program i converts global tile i (1-D grid over every weight's tiles).
+
+    Row g of the table describes weight g ([E, N, K], E implied by its tile count); ``owner[i]`` is the row of
+    tile i (one load, where a search of the table would cost a chain of dependent loads before each tile).
+    """
+    pid = tl.program_id(0)
+    g = tl.load(owner_ptr + pid)
+    row = table_ptr + g * 8
+    q_off = tl.load(row + 0)
+    s_off = tl.load(row + 1)
+    out_off = tl.load(row + 2)
+    scale_off = tl.load(row + 3)
+    N = tl.load(row + 4).to(tl.int32)
+    K = tl.multiple_of(tl.load(row + 5).to(tl.int32), 32)  # the MX contract: K is a multiple of 32
+    local = pid - tl.load(row + 6).to(tl.int32)
+    kt = (K + TILE_ - 1) // TILE_
+    nt = (N + TILE_ - 1) // TILE_
+    pid_k = local % kt
+    pid_n = (local // kt) % nt
+    mat = (local // (kt * nt)).to(tl.int64) * N  # the expert's first row
+    scale_ptr = out_scale_ptr + scale_off + local
+    if PTX:
+        q_off = tl.multiple_of(q_off, 16)
+        out_off = tl.multiple_of(out_off, 16)
+        _tile_ptx(
+            q_ptr + q_off + mat * K, s_ptr + s_off + mat * (K // BLOCK_), out_ptr + out_off + mat * K,
+            scale_ptr, status_ptr + pid, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+        )
+    else:
+        _tile_portable(
+            q_ptr + q_off + mat * K, s_ptr + s_off + mat * (K // BLOCK_), out_ptr + out_off + mat * K,
+            scale_ptr, status_ptr + pid, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+        )
 
 
 @triton.jit
@@ -414,3 +507,177 @@ def convert_triton(
     if squeeze:
         return out_codes[0], out_scale[0]
     return out_codes, out_scale
+
+
+# --- grouped launches (host side) ---------------------------------------------------------------------------------
+
+
+class GroupMemberError(MxFormatError):
+    """Invalid values in one weight of a grouped launch; ``index`` is its position in the group."""
+
+    def __init__(self, problem: str, index: int):
+        super().__init__(problem)
+        self.index = index
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """Where one weight of :func:`convert_packed` lies in its buffers (byte offsets; the scale in float32s)."""
+
+    shape: tuple[int, ...]  # [N, K] or [E, N, K]
+    code_offset: int  # of the input codes in the input buffer, and of the output codes in the output buffer
+    scale_offset: int  # of the E8M0 scales ([..., N, K/32]) in the input buffer
+    out_scale_offset: int  # of the float32 scale_inv ([..., ceil(N/128), ceil(K/128)]) in the scale buffer
+
+    @property
+    def tiles(self) -> int:
+        return math.prod(self.scale_inv_shape)
+
+    @property
+    def scale_inv_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:-2], *tile_grid(*self.shape[-2:]))
+
+    def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, E8M0 scales) of this weight in the uint8 ``buffer``, shaped."""
+        n = math.prod(self.shape)
+        codes = buffer[self.code_offset : self.code_offset + n].view(self.shape)
+        scales = buffer[self.scale_offset : self.scale_offset + n // MX_BLOCK]
+        return codes, scales.view(*self.shape[:-1], self.shape[-1] // MX_BLOCK)
+
+
+def _launch_group(
+    rows: list[tuple[int, ...]],
+    bases: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    target: Target,
+    scale_mode: ScaleMode,
+    kernel: str | None,
+    num_warps: int | None,
+    aligned: bool,
+) -> tuple[torch.Tensor, list[int]] | None:
+    """One launch over ``rows`` (shape, code, scale, output-code offsets in bytes, output-scale offset in floats).
+
+    Returns the per-tile status words and each row's first tile, or None when there is no tile at all.
+    """
+    table, firsts, tiles = [], [], 0
+    for shape, q_off, s_off, o_off, sc_off in rows:
+        *lead, n, k = shape
+        firsts.append(tiles)
+        count = PackedWeight(tuple(shape), 0, 0, 0).tiles
+        if count:
+            table.append((q_off, s_off, o_off, sc_off, n, k, tiles, count))
+        tiles += count
+    if not tiles:
+        return None
+    device = bases[0].device
+    kernel = kernel or default_kernel(device)
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    status = torch.empty(tiles, dtype=torch.int32, device=device)
+    table_host = torch.tensor(table, dtype=torch.int64)
+    if device.type == "cuda":  # from pinned memory the copy is asynchronous: no wait for the work queued before
+        table_host = table_host.pin_memory()
+    table_dev = table_host.to(device, non_blocking=True)
+    owner = torch.repeat_interleave(table_dev[:, 7], output_size=tiles)  # each tile's row, made on the device
+    _mx_to_block_fp8_grouped_kernel[(tiles,)](
+        table_dev,
+        owner,
+        *bases,
+        status,
+        EXACT=scale_mode is ScaleMode.EXACT,
+        FNUZ=target is Target.FNUZ,
+        PTX=kernel == "ptx" and aligned,
+        TILE_=TILE,
+        BLOCK_=MX_BLOCK,
+        num_warps=num_warps or (4 if scale_mode is ScaleMode.EXACT else 8),  # measured best on the H200
+        enable_fp_fusion=False,  # keep each float operation's own IEEE rounding
+    )
+    return status, firsts
+
+
+def _check_group(
+    launched: tuple[torch.Tensor, list[int]] | None, pair: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Raise :class:`GroupMemberError` for the first weight with a bad tile (one device synchronisation)."""
+    if launched is None:
+        return
+    status, firsts = launched
+    bad = torch.nonzero(status)
+    if bad.numel():
+        index = bisect.bisect_right(firsts, int(bad[0, 0])) - 1
+        raise GroupMemberError(find_value_problem(*pair(index)) or "invalid MXFP8 values", index)
+
+
+def convert_packed(
+    buffer: torch.Tensor,
+    out: torch.Tensor,
+    out_scales: torch.Tensor,
+    weights: Sequence[PackedWeight],
+    target: Target | str = Target.FNUZ,
+    scale_mode: ScaleMode | str = ScaleMode.EXACT,
+    *,
+    kernel: str | None = None,
+    num_warps: int | None = None,
+    check: bool = True,
+) -> None:
+    """Convert every weight packed in the uint8 ``buffer`` with one launch.
+
+    Each weight's converted codes go to ``out`` (uint8) at its own ``code_offset``, its scale_inv to the
+    float32 ``out_scales`` at ``out_scale_offset``: the bytes of :func:`convert_triton` for each. Shapes are
+    not checked here (the caller laid the buffer out). Raises :class:`GroupMemberError` naming the first
+    weight with invalid values unless ``check`` is False.
+    """
+    target, scale_mode = Target(target), ScaleMode(scale_mode)
+    rows = [(w.shape, w.code_offset, w.scale_offset, w.code_offset, w.out_scale_offset) for w in weights]
+    aligned = all(w.code_offset % 16 == 0 for w in weights) and buffer.data_ptr() % 16 == 0 == out.data_ptr() % 16
+    launched = _launch_group(rows, (buffer, buffer, out, out_scales), target, scale_mode, kernel, num_warps, aligned)
+    if check:
+        _check_group(launched, lambda i: weights[i].views(buffer))
+
+
+def convert_triton_grouped(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    target: Target | str = Target.FNUZ,
+    scale_mode: ScaleMode | str = ScaleMode.EXACT,
+    *,
+    kernel: str | None = None,
+    num_warps: int | None = None,
+    out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    check: bool = True,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`convert_triton` for many weights (2-D or 3-D, any mix of shapes, one device) in one launch.
+
+    Returns each weight's (codes, scale_inv), the same bytes as converting it alone. One launch costs one
+    launch's CPU time whatever the number of weights, which is what thousands of small per-expert tensors
+    need. ``out`` gives the output tensors (contiguous); by default the scales share one allocation. Raises
+    :class:`GroupMemberError` (an :class:`MxFormatError`) with the index of the first invalid weight.
+    """
+    target, scale_mode = Target(target), ScaleMode(scale_mode)
+    pairs = []
+    for codes, scales in items:
+        codes, scales = as_codes(codes), as_codes(scales)
+        check_pair_shapes(codes, scales)
+        pairs.append((codes.contiguous(), scales.contiguous()))
+    if not pairs:
+        return []
+    if out is None:
+        grids = [(*c.shape[:-2], *tile_grid(*c.shape[-2:])) for c, _ in pairs]
+        flat = torch.empty(sum(math.prod(g) for g in grids), dtype=torch.float32, device=pairs[0][0].device)
+        outs, at = [], 0
+        for (codes, _), grid in zip(pairs, grids):
+            scale = flat[at : at + math.prod(grid)].view(grid) if math.prod(grid) else flat.new_empty(grid)
+            outs.append((torch.empty_like(codes), scale))
+            at += math.prod(grid)
+    else:
+        outs = [(o.view(torch.uint8), sc) for o, sc in out]
+    tensors = [[c for c, _ in pairs], [s for _, s in pairs], [o for o, _ in outs], [sc for _, sc in outs]]
+    bases = tuple(min(ts, key=torch.Tensor.data_ptr) for ts in tensors)
+    rows = [
+        (c.shape, c.data_ptr() - bases[0].data_ptr(), s.data_ptr() - bases[1].data_ptr(),
+         o.data_ptr() - bases[2].data_ptr(), (sc.data_ptr() - bases[3].data_ptr()) // 4)
+        for (c, s), (o, sc) in zip(pairs, outs)
+    ]
+    aligned = all(t.data_ptr() % 16 == 0 for t in tensors[0] + tensors[2])
+    launched = _launch_group(rows, bases, target, scale_mode, kernel, num_warps, aligned)
+    if check:
+        _check_group(launched, lambda i: pairs[i])
+    return outs

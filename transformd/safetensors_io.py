@@ -419,12 +419,14 @@ class SafetensorsWriter:
 
 
 def _as_bytes(data: torch.Tensor | bytes | bytearray | memoryview) -> memoryview:
+    """The bytes of ``data`` as a memoryview of its own memory (a copy only for a device or strided tensor)."""
     if not isinstance(data, torch.Tensor):
         return memoryview(data).cast("B")
-    t = data.detach().cpu().contiguous().reshape(-1)
-    if t.numel() == 0:
+    if data.device.type != "cpu" or not data.is_contiguous():
+        data = data.detach().cpu().contiguous()
+    if data.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy())
+    return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 def _copy_range(src: BinaryIO, begin: int, dst: BinaryIO, n: int) -> None:

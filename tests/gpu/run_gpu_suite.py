@@ -91,13 +91,19 @@ def run(dry_run: bool) -> dict:
     import transformd
     from transformd import MxFormatError, convert_weight
     from transformd.checkpoint import convert_checkpoint
-    from transformd.kernels import KERNELS, convert_triton, default_kernel
+    from transformd.kernels import KERNELS, convert_triton, convert_triton_grouped, default_kernel
     from transformd.reference import convert_reference
     from transformd.sample import write_sample_checkpoint
 
     from tests.layouts import LAYOUTS
     from tests.oracles import numpy_oracle
-    from tests.test_kernels import AWKWARD, _invalid_cases, random_mx
+    from tests.test_kernels import (
+        AWKWARD,
+        _invalid_cases,
+        random_mx,
+        test_grouped_launch_names_the_invalid_weight,
+        test_packed_launch_matches_reference,
+    )
 
     if not dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run this on a GPU machine, or pass --dry-run to test the script on the CPU")
@@ -152,6 +158,17 @@ def run(dry_run: bool) -> dict:
 
                 tally.check(f"{kernel}/{target}/{mode}/2-D input", two_d)
 
+                def grouped(kernel=kernel, target=target, mode=mode) -> None:  # 3-D and 2-D, every case, one launch
+                    items = [*cases.values(), *((q[0], s[0]) for q, s in cases.values())]
+                    got = convert_triton_grouped([(q.to(device), s.to(device)) for q, s in items], target, mode, kernel=kernel)
+                    for (q, s), g in zip(items, got):
+                        same(g, convert_reference(q, s, target, mode))
+
+                tally.check(f"{kernel}/{target}/{mode}/grouped launch, mixed shapes", grouped)
+
+        for mode in ("exact", "amax"):
+            tally.check(f"{kernel}/{mode}/packed launch", lambda mode=mode, kernel=kernel: test_packed_launch_matches_reference(mode, kernel))
+
         def unaligned(kernel=kernel) -> None:  # codes 8 bytes into a buffer: ptx must fall back to portable
             q, s = random_mx((1, 129, 64), seed=12)
             buf = torch.zeros(q.numel() + 8, dtype=torch.uint8, device=device)
@@ -172,6 +189,9 @@ def run(dry_run: bool) -> dict:
                     raise AssertionError("not refused")
 
             tally.check(f"{kernel}/invalid/{case}", refused)
+            if case != "NaN code 0xFF":
+                tally.check(f"{kernel}/invalid/{case}/grouped",
+                            lambda case=case, kernel=kernel: test_grouped_launch_names_the_invalid_weight(case, kernel))
 
     def chunked() -> None:
         q, s = random_mx((5, 130, 160), seed=6)

@@ -17,8 +17,8 @@ import torch
 from .. import _durable
 from ..progress import Progress
 from ..convert import convert_weight, resolve_device
-from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target, tile_grid
-from ..kernels import convert_triton
+from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target
+from ..kernels import GroupMemberError, PackedWeight, convert_packed
 from ..mx import expand_row_blocks
 from ..safetensors_io import (
     CheckpointError,
@@ -36,8 +36,10 @@ from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
 #     reader --(pieces, in input slots)--> converter --(converted pieces, in output slots)--> writer --> syncer
 #
 # * reader: reads each MXFP8 weight of its shards one piece at a time (whole experts, or blocks of 128 rows of a
-#   large matrix) into a reusable host buffer (a "slot"; pinned when it feeds a GPU).
-# * converter: converts a piece on the device into an output slot (and hands the input slot back).
+#   large matrix) into a reusable host buffer (a "slot"; pinned when it feeds a GPU); consecutive pieces share a
+#   slot while they fit (a batch), so thousands of small per-expert weights travel in a few slots.
+# * converter: converts a batch on the device into an output slot, with one copy each way and one kernel launch
+#   (and hands the input slot back).
 # * writer: appends converted pieces to the output shard, copies the tensors that are not converted straight
 #   from the input file (copy_file_range, never through memory), and copies whole the shards that need no
 #   rewrite.
@@ -67,8 +69,11 @@ CHANNEL_ITEMS = 4 * MAX_SLOTS
 SYNC_BACKLOG = 2
 #: How often a waiting stage checks whether the conversion was stopped (seconds).
 POLL_S = 0.05
-#: Alignment of the scale bytes that follow the codes in a slot.
+#: Alignment of the scale bytes that follow the codes in a slot, and of each piece of a batch.
 SLOT_ALIGN = 256
+#: Pinned slots (a GPU's) are at least this large, budget permitting, so that many small weights share one batch:
+#: one host-to-device copy, one launch and one synchronisation for all of them.
+BATCH_BYTES = 64 * 1024 * 1024
 
 
 class _Tally:
@@ -259,12 +264,9 @@ def _units(shape: tuple[int, ...], piece_bytes: int) -> list[_Unit]:
     return [_Unit(shape, e, e + 1, r0, min(n, r0 + rows)) for e in range(experts) for r0 in range(0, n, rows)]
 
 
-def _slot_views(slot: torch.Tensor, unit: _Unit) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, E8M0 scales) of ``unit`` in an input slot, as shaped uint8 views."""
-    shape, nc = unit.piece_shape, unit.code_bytes
-    codes = slot[:nc].view(shape)
-    scales = slot[_align(nc) : _align(nc) + nc // MX_BLOCK].view(*shape[:-1], shape[-1] // MX_BLOCK)
-    return codes, scales
+def _packed(unit: _Unit, offset: int, out_scale_offset: int = 0) -> PackedWeight:
+    """Where ``unit``'s piece lies in a slot from ``offset``: its codes, then (aligned) its E8M0 scales."""
+    return PackedWeight(unit.piece_shape, offset, offset + _align(unit.code_bytes), out_scale_offset)
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,8 @@ def _size_buffers(
     """Cut ``memory_bytes`` into two pools of at least ``MIN_SLOTS`` slots each, plus the CPU's work space.
 
     Pieces are at most ``chunk_bytes`` of codes and small enough for that; a slot is as large as the largest
-    piece of ``pairs`` needs, and no larger. Pinned slots are powers of two (the pinned allocator rounds every
+    piece of ``pairs`` needs, and no larger, except that pinned slots hold at least ``BATCH_BYTES`` where the
+    budget allows (batches of small pieces). Pinned slots are powers of two (the pinned allocator rounds every
     size up to one). A budget too small for one 128-row piece is exceeded by the pieces' size, not refused.
     """
     cap = memory_bytes // (2 * MIN_SLOTS + work_factor)
@@ -296,6 +299,8 @@ def _size_buffers(
     piece = max(1, min(chunk_bytes, cap * MX_BLOCK // (MX_BLOCK + 1) - SLOT_ALIGN))
     need = max((u.slot_bytes for p in pairs for u in _units(p.weight.shape, piece)), default=0)
     slot = max(SLOT_ALIGN, 1 << (need - 1).bit_length() if pinned else _align(need))
+    if pinned:  # room for a batch of small weights (one launch for all), within the budget's share of a slot
+        slot = max(slot, min(cap, BATCH_BYTES))
     slots = max(MIN_SLOTS, min(MAX_SLOTS, (memory_bytes - work_factor * slot) // (2 * slot)))
     return _BufferSizes(piece, slot, slots, work_factor * slot)
 
@@ -343,25 +348,33 @@ class _SlotPool:
 
 
 class _ReferenceConverter:
-    """CPU: :func:`transformd.convert_weight` (the PyTorch reference); the codes go into the output slot."""
+    """CPU: :func:`transformd.convert_weight` (the PyTorch reference) on each piece; codes into the output slot."""
 
     def __init__(self, target: Target, scale_mode: ScaleMode):
         self.target, self.scale_mode = target, scale_mode
 
-    def __call__(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        q, scale_inv = convert_weight(codes, scales, self.target, self.scale_mode, "cpu")
-        out.copy_(q.view(torch.uint8))
-        return scale_inv
+    def __call__(self, slot: torch.Tensor, out: torch.Tensor, pieces: list[PackedWeight]) -> list[torch.Tensor]:
+        scales = []
+        for i, piece in enumerate(pieces):
+            codes, e8m0 = piece.views(slot)
+            try:
+                q, scale_inv = convert_weight(codes, e8m0, self.target, self.scale_mode, "cpu")
+            except MxFormatError as err:
+                raise GroupMemberError(err.problem, i) from None
+            out[piece.code_offset : piece.code_offset + codes.numel()].copy_(q.view(torch.uint8).reshape(-1))
+            scales.append(scale_inv)
+        return scales
 
     def close(self) -> None:
         pass
 
 
 class _KernelConverter:
-    """GPU: the fused Triton kernel, between two device buffers of one slot each, reused for every piece.
+    """GPU: the fused Triton kernel, between two device buffers of one slot each, reused for every batch.
 
-    Host slot -> device (asynchronous copy from pinned memory) -> kernel -> host slot; one synchronisation per
-    piece (the kernel's status check). Also runs on the CPU under ``TRITON_INTERPRET=1`` (tests).
+    Host slot -> device (one asynchronous copy from pinned memory) -> one grouped launch over every piece of the
+    batch -> host slot; one synchronisation per batch (the kernel's status check). Also runs on the CPU under
+    ``TRITON_INTERPRET=1`` (tests).
     """
 
     #: Each converter's first launch (which may JIT-compile and load the kernel) runs alone: lanes on several
@@ -376,27 +389,23 @@ class _KernelConverter:
         self._out: torch.Tensor | None = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
         self._launched = False
 
-    def __call__(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, slot: torch.Tensor, out: torch.Tensor, pieces: list[PackedWeight]) -> list[torch.Tensor]:
         assert self._in is not None and self._out is not None
-        n = codes.numel()
-        d_codes = self._in[:n].view(codes.shape)
-        d_scales = self._in[_align(n) : _align(n) + scales.numel()].view(scales.shape)
-        d_codes.copy_(codes, non_blocking=True)
-        d_scales.copy_(scales, non_blocking=True)
-        *lead, rows, k = codes.shape
-        d_q = self._out[:n].view(codes.shape)
-        d_scale_inv = torch.empty((*lead, *tile_grid(rows, k)), dtype=torch.float32, device=self.device)
+        last = pieces[-1]
+        used = last.scale_offset + math.prod(last.shape) // MX_BLOCK
+        self._in[:used].copy_(slot[:used], non_blocking=True)
+        d_scales = torch.empty(sum(p.tiles for p in pieces), dtype=torch.float32, device=self.device)
         if self._launched:
-            convert_triton(d_codes, d_scales, self.target, self.scale_mode, out=(d_q, d_scale_inv))
+            convert_packed(self._in, self._out, d_scales, pieces, self.target, self.scale_mode)
         else:
             with self._first_launch:
-                convert_triton(d_codes, d_scales, self.target, self.scale_mode, out=(d_q, d_scale_inv))
+                convert_packed(self._in, self._out, d_scales, pieces, self.target, self.scale_mode)
             self._launched = True
-        out.copy_(d_q, non_blocking=True)
-        scale_inv = d_scale_inv.cpu()
+        out[:used].copy_(self._out[:used], non_blocking=True)  # the codes (and the gaps between them)
+        scales = d_scales.cpu()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the slots may be reused once this returns
-        return scale_inv
+        return [scales[p.out_scale_offset : p.out_scale_offset + p.tiles].view(p.scale_inv_shape) for p in pieces]
 
     def close(self) -> None:
         self._in = self._out = None
@@ -445,12 +454,22 @@ class _DropTensor:
 
 @dataclass(frozen=True)
 class _Piece:
-    """Reader -> converter: one piece of an MXFP8 weight, read into an input slot."""
+    """One piece of an MXFP8 weight in a batch; ``last``: the weight's last piece."""
 
     pair: MxPair
     unit: _Unit
-    slot: torch.Tensor
+    where: PackedWeight
     last: bool
+
+
+@dataclass
+class _Batch:
+    """Reader -> converter: consecutive pieces read into one input slot (at least one)."""
+
+    slot: torch.Tensor
+    pieces: list[_Piece] = field(default_factory=list)
+    used: int = 0  # slot bytes taken
+    tiles: int = 0  # output scales of the pieces so far
 
 
 @dataclass(frozen=True)
@@ -458,7 +477,7 @@ class _Append:
     """Converter -> writer: the next bytes of tensor ``name``; ``slot`` goes back to the output pool after."""
 
     name: str
-    data: torch.Tensor
+    data: torch.Tensor | memoryview
     slot: torch.Tensor | None = None
 
 
@@ -591,6 +610,7 @@ class _Lane:
         self.to_converter = stages.channel()
         self.to_writer = stages.channel()
         self.to_syncer = stages.channel(SYNC_BACKLOG)
+        self._batch: _Batch | None = None  # the reader's batch being filled
 
     def start(self) -> None:
         stages = (("read", self.read), ("convert", self.convert), ("write", self.write), ("sync", self.sync))
@@ -621,12 +641,14 @@ class _Lane:
                     continue
                 self.to_converter.put(_OpenShard(shard))
                 for t in shard.header.tensors.values():
-                    if t.name in shard.dropped:
+                    if t.name in shard.dropped:  # (no data to write: the batch goes on)
                         self.to_converter.put(_DropTensor(shard.name, t))
                     elif t.name in self.pairs:
                         self._read_pair(self.pairs[t.name], files)
                     else:
+                        self._send_batch()  # the writer takes tensors in order
                         self.to_converter.put(_CopyTensor(shard.name, t))
+                self._send_batch()
                 self.to_converter.put(_CloseShard(shard))
         finally:
             files.close()
@@ -640,29 +662,37 @@ class _Lane:
         return next((s for s in pending if s.name == name), pending[0])
 
     def _read_pair(self, pair: MxPair, files: _OpenFiles) -> None:
+        """Read the weight's pieces into the open batch, each after the last while it fits, else a new slot."""
         units = _units(pair.weight.shape, self.sizes.piece_bytes)
         for i, unit in enumerate(units):
-            slot = self.inputs.take()
-            codes, scales = _slot_views(slot, unit)
+            size = _align(unit.slot_bytes)
+            if self._batch is not None and self._batch.used + size > self.sizes.slot_bytes:
+                self._send_batch()
+            if self._batch is None:
+                self._batch = _Batch(self.inputs.take())
+            batch = self._batch
+            where = _packed(unit, batch.used, batch.tiles)
+            codes, scales = where.views(batch.slot)
             files.read_into(pair.weight_shard, pair.weight.begin + unit.code_offset, codes)
             self.run.tally.add(read=codes.numel() + _read_scales(pair, unit, files, scales))
-            self.to_converter.put(_Piece(pair, unit, slot, last=i == len(units) - 1))
+            batch.pieces.append(_Piece(pair, unit, where, last=i == len(units) - 1))
+            batch.used += size
+            batch.tiles += where.tiles
+
+    def _send_batch(self) -> None:
+        if self._batch is not None:
+            self.to_converter.put(self._batch)
+            self._batch = None
 
     # -- converter
 
     def convert(self) -> None:
         converter = _make_converter(self.device, self.sizes.slot_bytes, self.run.target, self.run.scale_mode)
         try:
-            scales: list[torch.Tensor] = []
+            scales: list[torch.Tensor] = []  # of the weight whose pieces are under way
             while (item := self.to_converter.get()) is not _END:
-                if isinstance(item, _Piece):
-                    scales.append(self._convert_piece(converter, item))
-                    if item.last:  # the weight's codes are all out: now its scales, in order
-                        for piece in scales:
-                            self.to_writer.put(_Append(item.pair.out_scale_name, piece))
-                        scales = []
-                        nbytes = item.pair.weight.nbytes
-                        self.stages.tick(item.pair.weight_shard, 1, nbytes, converted=nbytes)
+                if isinstance(item, _Batch):
+                    self._convert_batch(converter, item, scales)
                 elif isinstance(item, _DropTensor):
                     self.stages.tick(item.shard, 1, item.tensor.nbytes)
                 else:
@@ -676,20 +706,35 @@ class _Lane:
         finally:
             converter.close()
 
-    def _convert_piece(self, converter: _ReferenceConverter | _KernelConverter, piece: _Piece) -> torch.Tensor:
-        """Convert one piece into an output slot and send it to the writer; return its output scales."""
+    def _convert_batch(
+        self, converter: _ReferenceConverter | _KernelConverter, batch: _Batch, scales: list[torch.Tensor]
+    ) -> None:
+        """Convert a batch into an output slot and send its pieces to the writer, each weight's scales after its
+        last piece's codes (``scales`` holds those of a weight whose last piece is still to come)."""
         out = self.outputs.take()
-        codes, scales = _slot_views(piece.slot, piece.unit)
-        converted = out[: codes.numel()].view(codes.shape)
         try:
-            scale_inv = converter(codes, scales, converted)
-        except MxFormatError as err:
+            scale_invs = converter(batch.slot, out, [p.where for p in batch.pieces])
+        except GroupMemberError as err:
+            piece = batch.pieces[err.index]
             problem = f"{err.problem}{piece.unit.where()}"
             file = str(self.run.plan.src / piece.pair.weight_shard)
             raise MxFormatError(problem, tensor=piece.pair.weight.name, file=file) from None
-        self.inputs.give(piece.slot)
-        self.to_writer.put(_Append(piece.pair.weight.name, converted, out))
-        return scale_inv.to(torch.float32)
+        self.inputs.give(batch.slot)
+        codes = memoryview(out.numpy())  # the writer writes from the slot itself: no copies
+        appends, ticks = [], []
+        for piece, scale_inv in zip(batch.pieces, scale_invs):
+            at = piece.where.code_offset
+            appends.append(_Append(piece.pair.weight.name, codes[at : at + piece.unit.code_bytes]))
+            scales.append(scale_inv)
+            if piece.last:  # the weight's codes are all out: now its scales, in order
+                appends.extend(_Append(piece.pair.out_scale_name, s) for s in scales)
+                scales.clear()
+                ticks.append((piece.pair.weight_shard, piece.pair.weight.nbytes))
+        appends[-1] = _Append(appends[-1].name, appends[-1].data, out)  # the slot goes back after the last
+        for append in appends:
+            self.to_writer.put(append)
+        for shard, nbytes in ticks:
+            self.stages.tick(shard, 1, nbytes, converted=nbytes)
 
     # -- writer
 
@@ -777,6 +822,8 @@ class _OpenFiles:
         fd = self._fds.get(shard)
         if fd is None:
             fd = self._fds[shard] = os.open(self.src / shard, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # read ahead the whole shard while its first pieces convert
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         view = memoryview(buf.reshape(-1).numpy()).cast("B")
         done = 0
         while done < len(view):
