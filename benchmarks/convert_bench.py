@@ -309,10 +309,14 @@ def drop_caches(path: Path) -> str:
         return "fadvise"
 
 
-def timed(cmd: list[str]) -> float:
-    """Seconds the whole process ``cmd`` took; its last line on standard error (the CLI's summary) is printed."""
+def timed(cmd: list[str], package: str | None = None) -> float:
+    """Seconds the whole process ``cmd`` took; its last line on standard error (the CLI's summary) is printed.
+    ``package``: a directory holding another ``transformd`` package (``--baseline``) to run instead of this one."""
+    env = _child_env()
+    if package is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     seconds = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -337,6 +341,12 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
         ("convert --out, source in page cache", False, lambda: timed([*convert, "--out", str(root / "out")]),
          root / "out"),
     ]
+    if args.baseline:  # the same two --out steps with another checkout's package, alternated with these
+        base = str(Path(args.baseline).resolve())
+        steps[2:2] = [("baseline: convert SRC --out D", True,
+                       lambda: timed([*convert, "--out", str(root / "out")], base), root / "out")]
+        steps.append(("baseline: convert --out, page cache", False,
+                      lambda: timed([*convert, "--out", str(root / "out")], base), root / "out"))
     imports = timed([sys.executable, "-c", "import torch, transformd.checkpoint, transformd.cli"])
     times: dict[str, list[float]] = {name: [] for name, *_ in steps}
     how = "?"
@@ -535,6 +545,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true", help="say what is being measured on stderr")
     p.add_argument("--whole-process", action="store_true", help="time whole CLI processes against cp -r + sync")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the whole-process measurements")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="with --whole-process: also time convert --out with the transformd package in DIR (e.g. an "
+                        "older checkout: git archive REV transformd | tar -x -C DIR), alternated with this one")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
