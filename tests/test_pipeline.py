@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from transformd.checkpoint import convert as checkpoint_convert
-from transformd.checkpoint import pipeline
+from transformd.checkpoint import pieces, pipeline
 from transformd.checkpoint import CheckpointError, Progress, convert_checkpoint, plan_conversion
 from transformd.formats import MxFormatError, Target
 from transformd.reference import convert_reference
@@ -117,7 +117,7 @@ def test_kernel_converter_path_byte_identical(tmp_path: Path, monkeypatch) -> No
     made: list[object] = []
     batches: list[int] = []
 
-    class Counting(pipeline._KernelConverter):
+    class Counting(pieces.KernelConverter):
         def __call__(self, slot, out, pieces):
             batches.append(len(pieces))
             return super().__call__(slot, out, pieces)
@@ -126,7 +126,7 @@ def test_kernel_converter_path_byte_identical(tmp_path: Path, monkeypatch) -> No
         made.append(Counting(torch.device("cpu"), slot_bytes, target, scale_mode))
         return made[-1]
 
-    monkeypatch.setattr(pipeline, "_make_converter", kernel_on_cpu)
+    monkeypatch.setattr(pipeline, "make_converter", kernel_on_cpu)
     convert_checkpoint(src, tmp_path / "out", device="cpu", chunk_bytes=1)  # 128-row pieces of the 160-row q_proj
     assert made and made[0]._in is None, "device buffers are dropped when the job ends"
     assert_same_shards(tmp_path / "expected", tmp_path / "out")
@@ -146,14 +146,14 @@ def test_batches_of_many_small_weights_byte_identical(tmp_path: Path, monkeypatc
     sequential_reference(src, tmp_path / "expected")
     batches: list[int] = []
 
-    class Counting(pipeline._KernelConverter):
+    class Counting(pieces.KernelConverter):
         def __call__(self, slot, out, pieces):
             batches.append(len(pieces))
             return super().__call__(slot, out, pieces)
 
-    monkeypatch.setattr(pipeline, "_make_converter", lambda device, *args: Counting(torch.device("cpu"), *args))
-    real_size = pipeline._size_buffers
-    monkeypatch.setattr(pipeline, "_size_buffers", lambda *a, **kw: real_size(*a, **{**kw, "pinned": True}))
+    monkeypatch.setattr(pipeline, "make_converter", lambda device, *args: Counting(torch.device("cpu"), *args))
+    real_size = pieces.size_buffers
+    monkeypatch.setattr(pipeline, "size_buffers", lambda *a, **kw: real_size(*a, **{**kw, "pinned": True}))
     plan = plan_conversion(src)
     weights = sum(len(s.pairs) for s in plan.shards)
     convert_checkpoint(src, tmp_path / "out", device="cpu")
@@ -286,7 +286,7 @@ def test_error_stops_a_slow_writer_promptly(tmp_path: Path, monkeypatch) -> None
     _plant_nan_in_middle_shard(src)
     failed_at: list[float] = []
     late_writes: list[float] = []
-    real_convert = pipeline._ReferenceConverter.__call__
+    real_convert = pieces.ReferenceConverter.__call__
     real_write = pipeline.SafetensorsWriter.write
 
     def convert(self, codes, scales, out):
@@ -302,7 +302,7 @@ def test_error_stops_a_slow_writer_promptly(tmp_path: Path, monkeypatch) -> None
         time.sleep(0.05)
         real_write(self, name, data)
 
-    monkeypatch.setattr(pipeline._ReferenceConverter, "__call__", convert)
+    monkeypatch.setattr(pieces.ReferenceConverter, "__call__", convert)
     monkeypatch.setattr(pipeline.SafetensorsWriter, "write", slow_write)
     started = time.monotonic()
     with pytest.raises(MxFormatError):
@@ -383,25 +383,25 @@ def test_host_memory_bounded_by_budget(tmp_path: Path) -> None:
 def test_buffer_sizes_fit_the_budget() -> None:
     pairs = [SimpleNamespace(weight=SimpleNamespace(shape=shape)) for shape in [(256, 7168, 2048), (7168, 7168)]]
     for budget in (64 << 20, 300 << 20, 2 << 30, 64 << 30):
-        for pinned, work in ((True, 0), (False, pipeline.CPU_WORK_FACTOR)):
-            sizes = pipeline._size_buffers(pairs, budget, pipeline.DEFAULT_CHUNK_BYTES, pinned=pinned,
+        for pinned, work in ((True, 0), (False, pieces.CPU_WORK_FACTOR)):
+            sizes = pieces.size_buffers(pairs, budget, pipeline.DEFAULT_CHUNK_BYTES, pinned=pinned,
                                              work_factor=work)
-            assert sizes.bound_bytes <= budget and sizes.slots >= pipeline.MIN_SLOTS, (budget, pinned, sizes)
+            assert sizes.bound_bytes <= budget and sizes.slots >= pieces.MIN_SLOTS, (budget, pinned, sizes)
             assert sizes.piece_bytes <= pipeline.DEFAULT_CHUNK_BYTES
             assert not pinned or sizes.slot_bytes & (sizes.slot_bytes - 1) == 0, "pinned slots: powers of two"
-    small = pipeline._size_buffers([SimpleNamespace(weight=SimpleNamespace(shape=(64, 96)))], 2 << 30,
+    small = pieces.size_buffers([SimpleNamespace(weight=SimpleNamespace(shape=(64, 96)))], 2 << 30,
                                      pipeline.DEFAULT_CHUNK_BYTES, pinned=False, work_factor=0)
     assert small.slot_bytes < 8192, "slots no larger than the largest piece needs"
     # Below one 128-row piece of the widest weight: exceeded by that much, not refused.
-    tiny = pipeline._size_buffers(pairs, 1 << 20, 1, pinned=False, work_factor=0)
-    assert tiny.slot_bytes >= 128 * 7168 and tiny.slots == pipeline.MIN_SLOTS
+    tiny = pieces.size_buffers(pairs, 1 << 20, 1, pinned=False, work_factor=0)
+    assert tiny.slot_bytes >= 128 * 7168 and tiny.slots == pieces.MIN_SLOTS
 
 
 @pytest.mark.parametrize("shape", [(320, 96), (3, 96, 64), (5, 300, 256), (2, 1000, 32), (0, 64, 32), (0, 32)])
 @pytest.mark.parametrize("piece", [1, 1000, 70_000, 1 << 30])
 def test_units_tile_the_weight(shape: tuple[int, ...], piece: int) -> None:
     """Pieces cover the weight's codes exactly, in order, cut at expert or 128-row boundaries."""
-    units = pipeline._units(shape, piece)
+    units = pieces.units(shape, piece)
     assert units
     pos = 0
     for u in units:

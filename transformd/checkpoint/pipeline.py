@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
@@ -15,16 +14,29 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 import torch
 
 from .. import _durable
-from ..progress import Progress
-from ..convert import convert_weight, resolve_device
-from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target
-from ..kernels import GroupMemberError, PackedWeight, convert_packed
+from ..convert import resolve_device
+from ..formats import MX_BLOCK, MxFormatError, ScaleMode, Target
+from ..kernels import GroupMemberError, PackedWeight
 from ..mx import expand_row_blocks
+from ..progress import Progress
 from ..safetensors_io import (
     CheckpointError,
     SafetensorsWriter,
     TensorInfo,
     tensor_nbytes,
+)
+from .pieces import (
+    CPU_WORK_FACTOR,
+    MAX_SLOTS,
+    BufferSizes,
+    KernelConverter,
+    ReferenceConverter,
+    Unit,
+    align,
+    make_converter,
+    packed,
+    size_buffers,
+    units,
 )
 from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
 
@@ -55,25 +67,12 @@ from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 #: Default bound on the host memory of a conversion's buffers (``host_memory_bytes``).
 DEFAULT_HOST_MEMORY_BYTES = 2 << 30
-#: Slots of each pool (input pieces, converted pieces) that the budget must hold at the least.
-MIN_SLOTS = 3
-#: Slots of each pool at the most: enough read-ahead and write-behind for a disk; a slot is as large as the
-#: largest piece, so more would mostly hold smaller pieces in oversized buffers.
-MAX_SLOTS = 16
-#: Host bytes the PyTorch reference (the CPU path) needs while it converts a piece, per code byte of the piece:
-#: float32 decode, tile maxima, the quotient, the outputs (measured 12-14).
-CPU_WORK_FACTOR = 16
 #: Items a channel between two stages holds (memory is bounded by the slots, not by this).
 CHANNEL_ITEMS = 4 * MAX_SLOTS
 #: Finished files waiting for the syncer at the most (bounds the dirty page cache the writer runs ahead by).
 SYNC_BACKLOG = 2
 #: How often a waiting stage checks whether the conversion was stopped (seconds).
 POLL_S = 0.05
-#: Alignment of the scale bytes that follow the codes in a slot, and of each piece of a batch.
-SLOT_ALIGN = 256
-#: Pinned slots (a GPU's) are at least this large, budget permitting, so that many small weights share one batch:
-#: one host-to-device copy, one launch and one synchronisation for all of them.
-BATCH_BYTES = 64 * 1024 * 1024
 
 
 class _Tally:
@@ -201,122 +200,17 @@ def _release_cached_memory(devices: list[torch.device]) -> None:
             empty_host_cache()
 
 
-# -- pieces and buffers -------------------------------------------------------------------------------------------
+# -- host buffers -----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Unit:
-    """The part of an [N, K] or [E, N, K] weight converted at once: experts [e0, e1), rows [r0, r1) of each.
-
-    Either whole experts (r0 = 0, r1 = N) or rows of one expert with r0 a multiple of 128, so its codes and
-    its output scales are each one contiguous range, and it converts to the same bytes as the whole weight.
-    """
-
-    shape: tuple[int, ...]
-    e0: int
-    e1: int
-    r0: int
-    r1: int
-
-    @property
-    def piece_shape(self) -> tuple[int, ...]:
-        k = self.shape[-1]
-        return (self.e1 - self.e0, self.r1 - self.r0, k) if len(self.shape) == 3 else (self.r1 - self.r0, k)
-
-    @property
-    def code_bytes(self) -> int:
-        return math.prod(self.piece_shape)
-
-    @property
-    def code_offset(self) -> int:
-        n, k = self.shape[-2:]
-        return (self.e0 * n + self.r0) * k
-
-    @property
-    def slot_bytes(self) -> int:
-        """Input slot bytes: the codes, then (aligned) the E8M0 scales."""
-        return _align(self.code_bytes) + self.code_bytes // MX_BLOCK
-
-    def where(self) -> str:
-        """What error indices inside this piece are relative to ("" when they are the weight's own)."""
-        n = self.shape[-2]
-        if len(self.shape) == 2:
-            return f" (indices relative to row {self.r0} of {n})" if self.r0 else ""
-        experts = self.shape[0]
-        if self.r1 - self.r0 < n and (self.e0 or self.r0):
-            return f" (indices relative to row {self.r0} of expert {self.e0} of {experts})"
-        return f" (indices relative to expert {self.e0} of {experts})" if self.e0 else ""
-
-
-def _units(shape: tuple[int, ...], piece_bytes: int) -> list[_Unit]:
-    """Cut a weight into pieces of at most ``piece_bytes`` code bytes: whole experts, else blocks of 128 rows.
-
-    A piece is never smaller than one expert of at most 128 rows, or 128 rows of a larger one.
-    """
-    *lead, n, k = shape
-    experts = lead[0] if lead else 1
-    matrix = n * k
-    if matrix <= piece_bytes or n <= TILE:
-        step = max(1, piece_bytes // max(1, matrix))
-        units = [_Unit(shape, e0, min(experts, e0 + step), 0, n) for e0 in range(0, experts, step)]
-        return units or [_Unit(shape, 0, 0, 0, n)]  # no experts: one empty piece
-    rows = max(TILE, piece_bytes // k // TILE * TILE)
-    return [_Unit(shape, e, e + 1, r0, min(n, r0 + rows)) for e in range(experts) for r0 in range(0, n, rows)]
-
-
-def _packed(unit: _Unit, offset: int, out_scale_offset: int = 0) -> PackedWeight:
-    """Where ``unit``'s piece lies in a slot from ``offset``: its codes, then (aligned) its E8M0 scales."""
-    return PackedWeight(unit.piece_shape, offset, offset + _align(unit.code_bytes), out_scale_offset)
-
-
-@dataclass(frozen=True)
-class _BufferSizes:
-    """How one lane cuts its share of ``host_memory_bytes`` (see :func:`_size_buffers`)."""
-
-    piece_bytes: int  # most code bytes of one weight read and converted at once
-    slot_bytes: int  # one host buffer: a piece's codes and scales (input), or its converted codes (output)
-    slots: int  # buffers in each of the two pools
-    work_bytes: int  # the CPU reference's temporaries while it converts one piece
-
-    @property
-    def bound_bytes(self) -> int:
-        return 2 * self.slots * self.slot_bytes + self.work_bytes
-
-
-def _size_buffers(
-    pairs: Iterable[MxPair], memory_bytes: int, chunk_bytes: int, *, pinned: bool, work_factor: int
-) -> _BufferSizes:
-    """Cut ``memory_bytes`` into two pools of at least ``MIN_SLOTS`` slots each, plus the CPU's work space.
-
-    Pieces are at most ``chunk_bytes`` of codes and small enough for that; a slot is as large as the largest
-    piece of ``pairs`` needs, and no larger, except that pinned slots hold at least ``BATCH_BYTES`` where the
-    budget allows (batches of small pieces). Pinned slots are powers of two (the pinned allocator rounds every
-    size up to one). A budget too small for one 128-row piece is exceeded by the pieces' size, not refused.
-    """
-    cap = memory_bytes // (2 * MIN_SLOTS + work_factor)
-    if pinned:
-        cap = 1 << max(0, cap.bit_length() - 1)
-    piece = max(1, min(chunk_bytes, cap * MX_BLOCK // (MX_BLOCK + 1) - SLOT_ALIGN))
-    need = max((u.slot_bytes for p in pairs for u in _units(p.weight.shape, piece)), default=0)
-    slot = max(SLOT_ALIGN, 1 << (need - 1).bit_length() if pinned else _align(need))
-    if pinned:  # room for a batch of small weights (one launch for all), within the budget's share of a slot
-        slot = max(slot, min(cap, BATCH_BYTES))
-    slots = max(MIN_SLOTS, min(MAX_SLOTS, (memory_bytes - work_factor * slot) // (2 * slot)))
-    return _BufferSizes(piece, slot, slots, work_factor * slot)
-
-
-def _align(n: int) -> int:
-    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
-
-
-class _SlotPool:
+class SlotPool:
     """At most ``count`` host buffers of ``slot_bytes`` each, allocated on first need and then reused.
 
     One stage takes slots (only that one thread), a later stage gives them back; taking waits while all
     are out, until the stages stop. Pinned (page-locked) when they feed a GPU, for full-speed copies.
     """
 
-    def __init__(self, sizes: _BufferSizes, *, pinned: bool, stages: _Stages, tally: _Tally):
+    def __init__(self, sizes: BufferSizes, *, pinned: bool, stages: _Stages, tally: _Tally):
         self.slot_bytes, self.count, self.pinned = sizes.slot_bytes, sizes.slots, pinned
         self._stages, self._tally = stages, tally
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
@@ -342,81 +236,6 @@ class _SlotPool:
             self._free.get_nowait()
         self._tally.add(buffers=-self._made * self.slot_bytes)
         self._made = 0
-
-
-# -- converters: one piece, on one device -------------------------------------------------------------------------
-
-
-class _ReferenceConverter:
-    """CPU: :func:`transformd.convert_weight` (the PyTorch reference) on each piece; codes into the output slot."""
-
-    def __init__(self, target: Target, scale_mode: ScaleMode):
-        self.target, self.scale_mode = target, scale_mode
-
-    def __call__(self, slot: torch.Tensor, out: torch.Tensor, pieces: list[PackedWeight]) -> list[torch.Tensor]:
-        scales = []
-        for i, piece in enumerate(pieces):
-            codes, e8m0 = piece.views(slot)
-            try:
-                q, scale_inv = convert_weight(codes, e8m0, self.target, self.scale_mode, "cpu")
-            except MxFormatError as err:
-                raise GroupMemberError(err.problem, i) from None
-            out[piece.code_offset : piece.code_offset + codes.numel()].copy_(q.view(torch.uint8).reshape(-1))
-            scales.append(scale_inv)
-        return scales
-
-    def close(self) -> None:
-        pass
-
-
-class _KernelConverter:
-    """GPU: the fused Triton kernel, between two device buffers of one slot each, reused for every batch.
-
-    Host slot -> device (one asynchronous copy from pinned memory) -> one grouped launch over every piece of the
-    batch -> host slot; one synchronisation per batch (the kernel's status check). Also runs on the CPU under
-    ``TRITON_INTERPRET=1`` (tests).
-    """
-
-    #: Each converter's first launch (which may JIT-compile and load the kernel) runs alone: lanes on several
-    #: GPUs would otherwise fill Triton's caches from several threads at once.
-    _first_launch = threading.Lock()
-
-    def __init__(self, device: torch.device, slot_bytes: int, target: Target, scale_mode: ScaleMode):
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # Triton launches on the thread's current device
-        self.device, self.target, self.scale_mode = device, target, scale_mode
-        self._in: torch.Tensor | None = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
-        self._out: torch.Tensor | None = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
-        self._launched = False
-
-    def __call__(self, slot: torch.Tensor, out: torch.Tensor, pieces: list[PackedWeight]) -> list[torch.Tensor]:
-        assert self._in is not None and self._out is not None
-        last = pieces[-1]
-        used = last.scale_offset + math.prod(last.shape) // MX_BLOCK
-        self._in[:used].copy_(slot[:used], non_blocking=True)
-        d_scales = torch.empty(sum(p.tiles for p in pieces), dtype=torch.float32, device=self.device)
-        if self._launched:
-            convert_packed(self._in, self._out, d_scales, pieces, self.target, self.scale_mode)
-        else:
-            with self._first_launch:
-                convert_packed(self._in, self._out, d_scales, pieces, self.target, self.scale_mode)
-            self._launched = True
-        out[:used].copy_(self._out[:used], non_blocking=True)  # the codes (and the gaps between them)
-        scales = d_scales.cpu()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the slots may be reused once this returns
-        return [scales[p.out_scale_offset : p.out_scale_offset + p.tiles].view(p.scale_inv_shape) for p in pieces]
-
-    def close(self) -> None:
-        self._in = self._out = None
-
-
-def _make_converter(
-    device: torch.device, slot_bytes: int, target: Target, scale_mode: ScaleMode
-) -> _ReferenceConverter | _KernelConverter:
-    if device.type == "cpu":
-        return _ReferenceConverter(target, scale_mode)
-    return _KernelConverter(device, slot_bytes, target, scale_mode)
 
 
 # -- what flows between the stages ------------------------------------------------------------------------------
@@ -457,7 +276,7 @@ class _Piece:
     """One piece of an MXFP8 weight in a batch; ``last``: the weight's last piece."""
 
     pair: MxPair
-    unit: _Unit
+    unit: Unit
     where: PackedWeight
     last: bool
 
@@ -604,9 +423,9 @@ class _Lane:
         self.pairs = {p.weight.name: p for s in shards for p in s.pairs}
         pinned = device.type == "cuda"
         work = CPU_WORK_FACTOR if device.type == "cpu" else 0
-        self.sizes = _size_buffers(self.pairs.values(), memory, run.chunk_bytes, pinned=pinned, work_factor=work)
-        self.inputs = _SlotPool(self.sizes, pinned=pinned, stages=stages, tally=run.tally)
-        self.outputs = _SlotPool(self.sizes, pinned=pinned, stages=stages, tally=run.tally)
+        self.sizes = size_buffers(self.pairs.values(), memory, run.chunk_bytes, pinned=pinned, work_factor=work)
+        self.inputs = SlotPool(self.sizes, pinned=pinned, stages=stages, tally=run.tally)
+        self.outputs = SlotPool(self.sizes, pinned=pinned, stages=stages, tally=run.tally)
         self.to_converter = stages.channel()
         self.to_writer = stages.channel()
         self.to_syncer = stages.channel(SYNC_BACKLOG)
@@ -663,19 +482,19 @@ class _Lane:
 
     def _read_pair(self, pair: MxPair, files: _OpenFiles) -> None:
         """Read the weight's pieces into the open batch, each after the last while it fits, else a new slot."""
-        units = _units(pair.weight.shape, self.sizes.piece_bytes)
-        for i, unit in enumerate(units):
-            size = _align(unit.slot_bytes)
+        pieces = units(pair.weight.shape, self.sizes.piece_bytes)
+        for i, unit in enumerate(pieces):
+            size = align(unit.slot_bytes)
             if self._batch is not None and self._batch.used + size > self.sizes.slot_bytes:
                 self._send_batch()
             if self._batch is None:
                 self._batch = _Batch(self.inputs.take())
             batch = self._batch
-            where = _packed(unit, batch.used, batch.tiles)
+            where = packed(unit, batch.used, batch.tiles)
             codes, scales = where.views(batch.slot)
             files.read_into(pair.weight_shard, pair.weight.begin + unit.code_offset, codes)
             self.run.tally.add(read=codes.numel() + _read_scales(pair, unit, files, scales))
-            batch.pieces.append(_Piece(pair, unit, where, last=i == len(units) - 1))
+            batch.pieces.append(_Piece(pair, unit, where, last=i == len(pieces) - 1))
             batch.used += size
             batch.tiles += where.tiles
 
@@ -687,7 +506,7 @@ class _Lane:
     # -- converter
 
     def convert(self) -> None:
-        converter = _make_converter(self.device, self.sizes.slot_bytes, self.run.target, self.run.scale_mode)
+        converter = make_converter(self.device, self.sizes.slot_bytes, self.run.target, self.run.scale_mode)
         try:
             scales: list[torch.Tensor] = []  # of the weight whose pieces are under way
             while (item := self.to_converter.get()) is not _END:
@@ -707,7 +526,7 @@ class _Lane:
             converter.close()
 
     def _convert_batch(
-        self, converter: _ReferenceConverter | _KernelConverter, batch: _Batch, scales: list[torch.Tensor]
+        self, converter: ReferenceConverter | KernelConverter, batch: _Batch, scales: list[torch.Tensor]
     ) -> None:
         """Convert a batch into an output slot and send its pieces to the writer, each weight's scales after its
         last piece's codes (``scales`` holds those of a weight whose last piece is still to come)."""
@@ -791,7 +610,7 @@ class _Lane:
                 self.run.shard_order.done(path.name, path)
 
 
-def _read_scales(pair: MxPair, unit: _Unit, files: _OpenFiles, out: torch.Tensor) -> int:
+def _read_scales(pair: MxPair, unit: Unit, files: _OpenFiles, out: torch.Tensor) -> int:
     """Read the E8M0 scales of ``unit`` into ``out`` (one row of scales per weight row); return the bytes read.
 
     Rx32 block scales (Quark ``per_block``) are read once per block row and repeated for the R rows they cover.

@@ -1,0 +1,214 @@
+"""The pipeline's pieces: what part of a weight is converted at once (whole experts or 128-row blocks),
+the fixed pools of host buffers (slots) they travel in, and the converters that turn a batch of pieces into
+block FP8 on one device (the kernel on a GPU, the PyTorch reference on the CPU)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..convert import convert_weight
+from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target
+from ..kernels import GroupMemberError, PackedWeight, convert_packed
+from .plan import MxPair
+
+#: Slots of each pool (input pieces, converted pieces) that the budget must hold at the least.
+MIN_SLOTS = 3
+#: Slots of each pool at the most: enough read-ahead and write-behind for a disk; a slot is as large as the
+#: largest piece, so more would mostly hold smaller pieces in oversized buffers.
+MAX_SLOTS = 16
+#: Host bytes the PyTorch reference (the CPU path) needs while it converts a piece, per code byte of the piece:
+#: float32 decode, tile maxima, the quotient, the outputs (measured 12-14).
+CPU_WORK_FACTOR = 16
+#: Alignment of the scale bytes that follow the codes in a slot, and of each piece of a batch.
+SLOT_ALIGN = 256
+#: Pinned slots (a GPU's) are at least this large, budget permitting, so that many small weights share one batch:
+#: one host-to-device copy, one launch and one synchronisation for all of them.
+BATCH_BYTES = 64 * 1024 * 1024
+
+
+# -- pieces and buffers -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The part of an [N, K] or [E, N, K] weight converted at once: experts [e0, e1), rows [r0, r1) of each.
+
+    Either whole experts (r0 = 0, r1 = N) or rows of one expert with r0 a multiple of 128, so its codes and
+    its output scales are each one contiguous range, and it converts to the same bytes as the whole weight.
+    """
+
+    shape: tuple[int, ...]
+    e0: int
+    e1: int
+    r0: int
+    r1: int
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        k = self.shape[-1]
+        return (self.e1 - self.e0, self.r1 - self.r0, k) if len(self.shape) == 3 else (self.r1 - self.r0, k)
+
+    @property
+    def code_bytes(self) -> int:
+        return math.prod(self.piece_shape)
+
+    @property
+    def code_offset(self) -> int:
+        n, k = self.shape[-2:]
+        return (self.e0 * n + self.r0) * k
+
+    @property
+    def slot_bytes(self) -> int:
+        """Input slot bytes: the codes, then (aligned) the E8M0 scales."""
+        return align(self.code_bytes) + self.code_bytes // MX_BLOCK
+
+    def where(self) -> str:
+        """What error indices inside this piece are relative to ("" when they are the weight's own)."""
+        n = self.shape[-2]
+        if len(self.shape) == 2:
+            return f" (indices relative to row {self.r0} of {n})" if self.r0 else ""
+        experts = self.shape[0]
+        if self.r1 - self.r0 < n and (self.e0 or self.r0):
+            return f" (indices relative to row {self.r0} of expert {self.e0} of {experts})"
+        return f" (indices relative to expert {self.e0} of {experts})" if self.e0 else ""
+
+
+def units(shape: tuple[int, ...], piece_bytes: int) -> list[Unit]:
+    """Cut a weight into pieces of at most ``piece_bytes`` code bytes: whole experts, else blocks of 128 rows.
+
+    A piece is never smaller than one expert of at most 128 rows, or 128 rows of a larger one.
+    """
+    *lead, n, k = shape
+    experts = lead[0] if lead else 1
+    matrix = n * k
+    if matrix <= piece_bytes or n <= TILE:
+        step = max(1, piece_bytes // max(1, matrix))
+        units = [Unit(shape, e0, min(experts, e0 + step), 0, n) for e0 in range(0, experts, step)]
+        return units or [Unit(shape, 0, 0, 0, n)]  # no experts: one empty piece
+    rows = max(TILE, piece_bytes // k // TILE * TILE)
+    return [Unit(shape, e, e + 1, r0, min(n, r0 + rows)) for e in range(experts) for r0 in range(0, n, rows)]
+
+
+def packed(unit: Unit, offset: int, out_scale_offset: int = 0) -> PackedWeight:
+    """Where ``unit``'s piece lies in a slot from ``offset``: its codes, then (aligned) its E8M0 scales."""
+    return PackedWeight(unit.piece_shape, offset, offset + align(unit.code_bytes), out_scale_offset)
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """How one lane cuts its share of ``host_memory_bytes`` (see :func:`size_buffers`)."""
+
+    piece_bytes: int  # most code bytes of one weight read and converted at once
+    slot_bytes: int  # one host buffer: a piece's codes and scales (input), or its converted codes (output)
+    slots: int  # buffers in each of the two pools
+    work_bytes: int  # the CPU reference's temporaries while it converts one piece
+
+    @property
+    def bound_bytes(self) -> int:
+        return 2 * self.slots * self.slot_bytes + self.work_bytes
+
+
+def size_buffers(
+    pairs: Iterable[MxPair], memory_bytes: int, chunk_bytes: int, *, pinned: bool, work_factor: int
+) -> BufferSizes:
+    """Cut ``memory_bytes`` into two pools of at least ``MIN_SLOTS`` slots each, plus the CPU's work space.
+
+    Pieces are at most ``chunk_bytes`` of codes and small enough for that; a slot is as large as the largest
+    piece of ``pairs`` needs, and no larger, except that pinned slots hold at least ``BATCH_BYTES`` where the
+    budget allows (batches of small pieces). Pinned slots are powers of two (the pinned allocator rounds every
+    size up to one). A budget too small for one 128-row piece is exceeded by the pieces' size, not refused.
+    """
+    cap = memory_bytes // (2 * MIN_SLOTS + work_factor)
+    if pinned:
+        cap = 1 << max(0, cap.bit_length() - 1)
+    piece = max(1, min(chunk_bytes, cap * MX_BLOCK // (MX_BLOCK + 1) - SLOT_ALIGN))
+    need = max((u.slot_bytes for p in pairs for u in units(p.weight.shape, piece)), default=0)
+    slot = max(SLOT_ALIGN, 1 << (need - 1).bit_length() if pinned else align(need))
+    if pinned:  # room for a batch of small weights (one launch for all), within the budget's share of a slot
+        slot = max(slot, min(cap, BATCH_BYTES))
+    slots = max(MIN_SLOTS, min(MAX_SLOTS, (memory_bytes - work_factor * slot) // (2 * slot)))
+    return BufferSizes(piece, slot, slots, work_factor * slot)
+
+
+def align(n: int) -> int:
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
+
+
+# -- converters: one piece, on one device -------------------------------------------------------------------------
+
+
+class ReferenceConverter:
+    """CPU: :func:`transformd.convert_weight` (the PyTorch reference) on each piece; codes into the output slot."""
+
+    def __init__(self, target: Target, scale_mode: ScaleMode):
+        self.target, self.scale_mode = target, scale_mode
+
+    def __call__(self, slot: torch.Tensor, out: torch.Tensor, pieces: list[PackedWeight]) -> list[torch.Tensor]:
+        scales = []
+        for i, piece in enumerate(pieces):
+            codes, e8m0 = piece.views(slot)
+            try:
+                q, scale_inv = convert_weight(codes, e8m0, self.target, self.scale_mode, "cpu")
+            except MxFormatError as err:
+                raise GroupMemberError(err.problem, i) from None
+            out[piece.code_offset : piece.code_offset + codes.numel()].copy_(q.view(torch.uint8).reshape(-1))
+            scales.append(scale_inv)
+        return scales
+
+    def close(self) -> None:
+        pass
+
+
+class KernelConverter:
+    """GPU: the fused Triton kernel, between two device buffers of one slot each, reused for every batch.
+
+    Host slot -> device (one asynchronous copy from pinned memory) -> one grouped launch over every piece of the
+    batch -> host slot; one synchronisation per batch (the kernel's status check). Also runs on the CPU under
+    ``TRITON_INTERPRET=1`` (tests).
+    """
+
+    #: Each converter's first launch (which may JIT-compile and load the kernel) runs alone: lanes on several
+    #: GPUs would otherwise fill Triton's caches from several threads at once.
+    _first_launch = threading.Lock()
+
+    def __init__(self, device: torch.device, slot_bytes: int, target: Target, scale_mode: ScaleMode):
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # Triton launches on the thread's current device
+        self.device, self.target, self.scale_mode = device, target, scale_mode
+        self._in: torch.Tensor | None = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+        self._out: torch.Tensor | None = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+        self._launched = False
+
+    def __call__(self, slot: torch.Tensor, out: torch.Tensor, pieces: list[PackedWeight]) -> list[torch.Tensor]:
+        assert self._in is not None and self._out is not None
+        last = pieces[-1]
+        used = last.scale_offset + math.prod(last.shape) // MX_BLOCK
+        self._in[:used].copy_(slot[:used], non_blocking=True)
+        d_scales = torch.empty(sum(p.tiles for p in pieces), dtype=torch.float32, device=self.device)
+        if self._launched:
+            convert_packed(self._in, self._out, d_scales, pieces, self.target, self.scale_mode)
+        else:
+            with self._first_launch:
+                convert_packed(self._in, self._out, d_scales, pieces, self.target, self.scale_mode)
+            self._launched = True
+        out[:used].copy_(self._out[:used], non_blocking=True)  # the codes (and the gaps between them)
+        scales = d_scales.cpu()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the slots may be reused once this returns
+        return [scales[p.out_scale_offset : p.out_scale_offset + p.tiles].view(p.scale_inv_shape) for p in pieces]
+
+    def close(self) -> None:
+        self._in = self._out = None
+
+
+def make_converter(
+    device: torch.device, slot_bytes: int, target: Target, scale_mode: ScaleMode
+) -> ReferenceConverter | KernelConverter:
+    if device.type == "cpu":
+        return ReferenceConverter(target, scale_mode)
+    return KernelConverter(device, slot_bytes, target, scale_mode)
