@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 
 
 def pytest_configure(config):
-    """Register the fault report (tests/faultlog.py): the ``fault_log`` fixture and the table written at the end."""
-    from tests import faultlog
+    """Register the fault report (tests/support/faultlog.py): the ``fault_log`` fixture and the table written at the end."""
+    from tests.support import faultlog
 
     if not config.pluginmanager.is_registered(faultlog):
         config.pluginmanager.register(faultlog, "transformd-faultlog")

@@ -1,9 +1,10 @@
 """Hostile and broken checkpoints POSTed to the running daemon: a clear JSON error, the daemon serving, an empty cache.
 
-The corpus is tests/test_faults_hostile.py's (``CORPUS``: truncated shards, header length past the file, headers
+The corpus is tests/support/hostile.py's (``CORPUS``: truncated shards, header length past the file, headers
 that are not JSON or are huge, overlapping and out-of-range offsets, unknown dtypes, shape/byte-count mismatches,
 NaN codes, E8M0 0xFF, scale shape mismatches, indexes naming missing files or paths outside, symlinks escaping,
-FIFOs, broken configs, ...); that module checks the library, the cache and the command line, this one the daemon.
+FIFOs, broken configs, ...); tests/test_faults_hostile.py feeds it to the library, the cache and the command line,
+this module to the daemon.
 Every case is built in its own directory ``c<i>/work/src`` with ``c<i>/work/outside`` beside it; the daemon (the
 real app under uvicorn on a unix socket, real converter) allows only the ``src`` directories, so ``outside`` is
 outside every allowed root.
@@ -37,7 +38,7 @@ from transformd.daemon.settings import Settings
 from transformd.daemon.testing import DaemonThread, short_tempdir
 from transformd.sample import write_sample_checkpoint
 
-from .test_faults_hostile import CORPUS, Expect, build_case, check_message
+from .support.hostile import CORPUS, Expect, build_case, check_message
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,7 +23,7 @@ from transformd.reference import dequantize_block, dequantize_mx
 from transformd.safetensors_io import read_header
 from transformd.sample import write_sample_checkpoint
 
-from .layouts import LAYOUTS, QUARK_ROWS, minimax
+from .support.layouts import LAYOUTS, QUARK_ROWS, minimax
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -36,7 +36,7 @@ from transformd.checkpoint import convert as checkpoint_mod
 from transformd.checkpoint import OutputError, convert_checkpoint
 from transformd.sample import write_sample_checkpoint
 
-from .test_checkpoint import write_checkpoint
+from .support.checkpoints import write_checkpoint
 
 CATEGORY = "storage faults"
 

@@ -16,9 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,50 +25,15 @@ from transformd.daemon.settings import Settings
 from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
 
+from .support.callers import NOBODY, as_uid
+
 pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid"),
 ]
 
 CATEGORY = "trust 2: confused deputy (caller credentials)"
-NOBODY = 65534
 OWNER = 1000
-
-_CLIENT = textwrap.dedent(
-    """
-    import json, os, socket, sys
-    uid = int(sys.argv[2])
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    out = []
-    for method, path, body in json.loads(sys.argv[3]):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(60)
-        s.connect(sys.argv[1])
-        data = b"" if body is None else json.dumps(body).encode()
-        s.sendall(f"{method} {path} HTTP/1.1\\r\\nHost: td\\r\\nContent-Type: application/json\\r\\n"
-                  f"Content-Length: {len(data)}\\r\\nConnection: close\\r\\n\\r\\n".encode() + data)
-        raw = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            raw += chunk
-        s.close()
-        head, _, payload = raw.partition(b"\\r\\n\\r\\n")
-        out.append([int(head.split()[1]), payload.decode("utf-8", "replace")])
-    print(json.dumps(out))
-    """
-)
-
-
-def as_uid(sock: Path, uid: int, requests: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
-    """Run ``requests`` (method, path, JSON body) as ``uid`` in a child process; (status, JSON) per request."""
-    r = subprocess.run([sys.executable, "-c", _CLIENT, str(sock), str(uid), json.dumps(requests)],
-                       capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 0, r.stderr
-    return [(status, json.loads(body) if body.strip() else None) for status, body in json.loads(r.stdout)]
 
 
 @pytest.fixture(scope="module")

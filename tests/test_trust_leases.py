@@ -23,7 +23,7 @@ from transformd.daemon.settings import Settings
 from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
 
-from .test_trust_callers import NOBODY, as_uid
+from .support.callers import NOBODY, as_uid
 
 pytestmark = [
     pytest.mark.timeout(180),
