@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
+from transformd.daemon.testing import short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
 
+from .support.daemon import Daemons
 from .support.callers import NOBODY, as_uid
 
 pytestmark = [
@@ -53,18 +53,15 @@ def world() -> Iterator[dict[str, Any]]:
     for p in [public.parent, public, *public.rglob("*")]:
         os.chown(p, NOBODY, NOBODY)
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
-    run = short_tempdir("tdc-")
-    os.chmod(run, 0o755)
-    settings = Settings(socket=run / "td.sock", cache_dir=base / "cache", allow_roots=[allowed], device="cpu",
-                        log_level="critical")
-    daemon = DaemonThread(settings).start()
-    os.chmod(run / "td.sock", 0o666)  # let the unprivileged process connect (the test's choice, not the default)
     try:
-        with daemon.client(timeout=60) as http:
-            yield {"http": http, "sock": run / "td.sock", "private": private, "public": public}
+        with Daemons() as daemons:
+            daemon = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdc-", log_level="critical")
+            sock = daemon.socket_path
+            os.chmod(sock.parent, 0o755)
+            os.chmod(sock, 0o666)  # let the unprivileged process connect (the test's choice, not the default)
+            with daemon.client(timeout=60) as http:
+                yield {"http": http, "sock": sock, "private": private, "public": public}
     finally:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
 
 
