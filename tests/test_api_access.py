@@ -11,10 +11,9 @@ import pytest
 
 from transformd.daemon.app import create_app
 from transformd.daemon.settings import Settings, SettingsError
-from transformd.daemon.testing import DaemonThread, raw_request, wait_ready
-from transformd.cache.testing import CopyConverter, write_source
 
-from .support.daemon import Daemons
+from .support.daemon import DaemonThread, Daemons, raw_request, wait_ready
+from .support.fakes import CopyConverter, write_source
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,10 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from transformd.daemon.testing import DaemonThread, metric_value, raw_request, wait_ready
 from transformd.sample import write_sample_checkpoint
 
-from .support.daemon import Daemons
+from .support.daemon import DaemonThread, Daemons, metric_value, raw_request, wait_ready
 
 pytestmark = pytest.mark.timeout(120)
 

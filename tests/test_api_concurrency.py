@@ -18,11 +18,10 @@ import torch
 from safetensors.torch import save
 
 from transformd.daemon.shards import ShardPriority, TransformdShardConverter
-from transformd.daemon.testing import DaemonThread, OrderedCopyConverter, metric_value, wait_ready
-from transformd.cache.testing import CopyConverter, write_source
 from transformd.sample import write_sample_checkpoint
 
-from .support.daemon import Daemons
+from .support.daemon import DaemonThread, Daemons, metric_value, wait_ready
+from .support.fakes import CopyConverter, OrderedCopyConverter, write_source
 
 pytestmark = pytest.mark.timeout(120)
 

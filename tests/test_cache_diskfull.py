@@ -11,7 +11,8 @@ import pytest
 from transformd.cache import Cache, CacheFullError, DiskFullError
 from transformd.cache import store as store_mod
 from transformd.cache.store import ENTRY_OVERHEAD_BYTES
-from transformd.cache.testing import CopyConverter, FillingConverter, write_source
+
+from .support.fakes import CopyConverter, FillingConverter, write_source
 
 
 class _SimulatedFull:

@@ -1,8 +1,8 @@
 """Whole-checkpoint conversion: round trips checked tensor by tensor against the reference, byte-identity of
 everything untouched, config/index rewriting, and every invalid input refused with nothing left behind.
 
-The tests build their own tiny checkpoints (:func:`tests.support.checkpoints.write_checkpoint`), so that each defect can be planted
-exactly; the sample checkpoint of :mod:`transformd.sample` is converted too.
+The tests build their own tiny checkpoints (:func:`tests.support.checkpoints.write_checkpoint`), so that each defect
+can be planted exactly; the sample checkpoint of :mod:`transformd.sample` is converted too.
 """
 
 from __future__ import annotations

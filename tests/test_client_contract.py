@@ -20,8 +20,9 @@ import pytest
 from tests.support.fake_daemon import FakeDaemon, ServerThread
 from transformd.client import NotAllowedError, NotFoundError, TransformdClient, UnauthorizedError
 from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, OrderedCopyConverter
-from transformd.cache.testing import write_source
+
+from .support.daemon import DaemonThread
+from .support.fakes import OrderedCopyConverter, write_source
 
 TOKEN = "contract-token-0123456789abcdef0123"
 

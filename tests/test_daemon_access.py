@@ -37,8 +37,9 @@ import pytest
 
 from transformd.daemon import middleware
 from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, raw_request, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonThread, raw_request, short_tempdir, wait_ready
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -26,10 +26,9 @@ from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
 from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, wait_ready
 from transformd.sample import write_sample_checkpoint
 
-from .support.daemon import Daemons
+from .support.daemon import DaemonThread, Daemons, wait_ready
 
 pytestmark = pytest.mark.timeout(180)
 

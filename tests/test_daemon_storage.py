@@ -38,13 +38,12 @@ from safetensors import safe_open
 
 from transformd.client import TransformdClient, TransformdError
 from transformd.daemon.shards import TransformdShardConverter
-from transformd.daemon.testing import DaemonThread, wait_ready
 from transformd.cache import Cache
 from transformd._durable import rmtree_force
 from transformd.loader import load_from_daemon
 from transformd.sample import write_sample_checkpoint
 
-from .support.daemon import Daemons
+from .support.daemon import DaemonThread, Daemons, wait_ready
 from .support.tmpfs import remount
 
 pytestmark = pytest.mark.timeout(90)

@@ -23,7 +23,7 @@ from transformd.reference import dequantize_block, dequantize_mx
 from transformd.safetensors_io import read_header
 from transformd.sample import write_sample_checkpoint
 
-from .support.daemon import Daemons
+from .support.daemon import Daemons, wait_ready
 from .support.layouts import LAYOUTS, QUARK_ROWS, minimax
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -306,8 +306,6 @@ def _daemon(daemons: Daemons, tmp_path: Path, models: Path, platform: Platform):
 
 
 def test_daemon_target_auto_engine_readiness_and_refusal(tmp_path: Path, daemons: Daemons) -> None:
-    from transformd.daemon.testing import wait_ready
-
     models = tmp_path / "models"
     good = write_sample_checkpoint(models / "good", layers=1, experts=2)
     odd = write_sample_checkpoint(models / "odd", layers=1, experts=2, hidden=320, moe_intermediate=224, head_dim=64)

@@ -23,11 +23,10 @@ import pytest
 from transformd import hub
 from transformd.client import NotFoundError, TransformdClient
 from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.cli import main as cli_main
 from transformd.sample import write_sample_checkpoint
 
-from .support.daemon import Daemons
+from .support.daemon import DaemonThread, Daemons, short_tempdir, wait_ready
 
 pytestmark = pytest.mark.timeout(120)
 

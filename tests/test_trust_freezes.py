@@ -21,10 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from transformd.daemon.testing import DaemonProcess, short_tempdir
 from transformd.sample import write_sample_checkpoint
 
-from .support.daemon import Daemons
+from .support.daemon import DaemonProcess, Daemons, short_tempdir
 
 pytestmark = pytest.mark.timeout(240)
 

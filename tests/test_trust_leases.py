@@ -19,10 +19,9 @@ from typing import Any
 
 import pytest
 
-from transformd.daemon.testing import short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
 
-from .support.daemon import Daemons
+from .support.daemon import Daemons, short_tempdir, wait_ready
 from .support.callers import NOBODY, as_uid
 
 pytestmark = [

@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 
-from transformd.daemon.testing import raw_request
 
-from .support.daemon import Daemons
+from .support.daemon import Daemons, raw_request
 
 pytestmark = pytest.mark.timeout(120)
 
