@@ -34,7 +34,7 @@ import triton.testing  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.oracles import pr45726_convert  # noqa: E402
+from tests.support.oracles import pr45726_convert  # noqa: E402
 from transformd.formats import tile_grid  # noqa: E402
 from transformd.kernels import PackedWeight, convert_packed, convert_triton, convert_triton_grouped  # noqa: E402
 from transformd.reference import convert_reference, dequantize_block, dequantize_mx  # noqa: E402

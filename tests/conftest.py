@@ -4,18 +4,26 @@ TRITON_INTERPRET must be set before triton is first imported, so this runs
 before any transformd module is imported by a test.
 """
 
+from __future__ import annotations
+
+import contextlib
 import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from tests.support.daemon import Daemons
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):
-    """Register the fault report (tests/faultlog.py): the ``fault_log`` fixture and the table written at the end."""
-    from tests import faultlog
+    """Register the fault report (tests/support/faultlog.py): the ``fault_log`` fixture, the table at the end."""
+    from tests.support import faultlog
 
     if not config.pluginmanager.is_registered(faultlog):
         config.pluginmanager.register(faultlog, "transformd-faultlog")
@@ -27,3 +35,23 @@ def _no_transformd_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("TRANSFORMD_"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def daemons() -> Iterator[Daemons]:
+    """Start real daemons in this test (``daemons.start(cache_dir=..., allow_roots=[...], **settings)``); all are
+    stopped and their socket directories removed at its end (tests/support/daemon.py)."""
+    from tests.support.daemon import Daemons  # here: transformd is imported only after TRITON_INTERPRET is set
+
+    with Daemons() as started:
+        yield started
+
+
+@pytest.fixture
+def mount_tmpfs() -> Iterator[Callable[..., bool]]:
+    """``mount_tmpfs(path, size, *options)``: a small real file system on ``path`` until the test ends; returns whether
+    it is real (False where mounting is refused: a plain directory). See tests/support/tmpfs.py."""
+    from tests.support.tmpfs import tmpfs
+
+    with contextlib.ExitStack() as stack:
+        yield lambda path, size, *options: stack.enter_context(tmpfs(path, size, *options))

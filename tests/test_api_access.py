@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from transformd.daemon.app import create_app
 from transformd.daemon.settings import Settings, SettingsError
-from transformd.daemon.testing import DaemonThread, raw_request, short_tempdir, wait_ready
-from transformd.cache.testing import CopyConverter, write_source
+
+from .support.daemon import DaemonThread, Daemons, raw_request, wait_ready
+from .support.fakes import CopyConverter, write_source
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,27 +59,10 @@ def layout(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.fixture
-def start(layout: dict[str, Path]) -> Iterator[Callable[..., DaemonThread]]:
-    daemons: list[tuple[DaemonThread, Path]] = []
-
-    def start(**settings: Any) -> DaemonThread:
-        run = short_tempdir()
-        base: dict[str, Any] = {
-            "socket": run / "td.sock",
-            "cache_dir": layout["cache"],
-            "allow_roots": [layout["models"]],
-            "device": "cpu",
-            "log_level": "warning",
-        }
-        base.update(settings)
-        daemon = DaemonThread(Settings(**base), converter=CopyConverter()).start()
-        daemons.append((daemon, run))
-        return daemon
-
-    yield start
-    for daemon, run in daemons:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
+def start(daemons: Daemons, layout: dict[str, Path]) -> Callable[..., DaemonThread]:
+    """A daemon over ``layout`` (models/ allowed) with a copying converter; ``settings`` as ``transformd serve``'s."""
+    defaults = {"cache_dir": layout["cache"], "allow_roots": [layout["models"]]}
+    return lambda **settings: daemons.start(CopyConverter(), **{**defaults, **settings})
 
 
 def _post(http: httpx.Client, source: Path | str) -> httpx.Response:

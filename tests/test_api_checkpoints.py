@@ -11,16 +11,16 @@ import os
 import shutil
 import stat
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, metric_value, raw_request, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonThread, Daemons, metric_value, raw_request, wait_ready
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,27 +33,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def start(tmp_path: Path, models: Path) -> Iterator[Callable[..., DaemonThread]]:
-    daemons: list[tuple[DaemonThread, Path]] = []
-
-    def start(**settings: object) -> DaemonThread:
-        run = short_tempdir()
-        base: dict[str, object] = {
-            "socket": run / "sub" / "td.sock",
-            "cache_dir": tmp_path / "cache",
-            "allow_roots": [models],
-            "device": "cpu",
-            "log_level": "warning",
-        }
-        base.update(settings)
-        daemon = DaemonThread(Settings(**base)).start()
-        daemons.append((daemon, run))
-        return daemon
-
-    yield start
-    for daemon, run in daemons:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
+def start(daemons: Daemons, tmp_path: Path, models: Path) -> Callable[..., DaemonThread]:
+    """A daemon with the real converter over ``models``, its socket in a sub-directory the daemon creates."""
+    defaults = {"cache_dir": tmp_path / "cache", "allow_roots": [models], "socket_name": "sub/td.sock"}
+    return lambda **settings: daemons.start(**{**defaults, **settings})
 
 
 def _resolve(http, source: Path, **recipe: object) -> dict:

@@ -16,8 +16,9 @@ import pytest
 
 from transformd.cli.serve import add_commands
 from transformd.daemon.settings import SYSTEM_SOCKET, Settings, SettingsError, default_socket_path
-from transformd.daemon.testing import short_tempdir
-from transformd.cache.testing import write_source
+
+from .support.daemon import short_tempdir
+from .support.fakes import write_source
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -7,10 +7,9 @@ import asyncio
 import json
 import mmap
 import os
-import shutil
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from transformd.daemon.settings import Settings
 from transformd.daemon.shards import ShardPriority, TransformdShardConverter
-from transformd.daemon.testing import DaemonThread, OrderedCopyConverter, metric_value, short_tempdir, wait_ready
-from transformd.cache.testing import CopyConverter, write_source
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonThread, Daemons, metric_value, wait_ready
+from .support.fakes import CopyConverter, OrderedCopyConverter, write_source
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,28 +34,10 @@ def models(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def start(tmp_path: Path, models: Path) -> Iterator[Callable[..., DaemonThread]]:
-    daemons: list[tuple[DaemonThread, Path]] = []
-
-    def start(converter: Any = None, **settings: object) -> DaemonThread:
-        run = short_tempdir()
-        base: dict[str, object] = {
-            "socket": run / "td.sock",
-            "cache_dir": tmp_path / "cache",
-            "allow_roots": [models],
-            "device": "cpu",
-            "log_level": "warning",
-            "shutdown_grace_s": 5.0,
-        }
-        base.update(settings)
-        daemon = DaemonThread(Settings(**base), converter=converter).start()
-        daemons.append((daemon, run))
-        return daemon
-
-    yield start
-    for daemon, run in daemons:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
+def start(daemons: Daemons, tmp_path: Path, models: Path) -> Callable[..., DaemonThread]:
+    """``start(converter, **settings)``: a daemon over ``models`` (5 s shutdown grace unless given)."""
+    defaults = {"cache_dir": tmp_path / "cache", "allow_roots": [models], "shutdown_grace_s": 5.0}
+    return lambda converter=None, **settings: daemons.start(converter, **{**defaults, **settings})
 
 
 def _four_shards(models: Path, name: str = "m", size: int = 256 * 1024) -> Path:

@@ -14,7 +14,8 @@ import pytest
 from transformd.cache import Cache
 from transformd.cli import main
 from transformd.cli.cache import add_commands
-from transformd.cache.testing import CopyConverter, write_source
+
+from .support.fakes import CopyConverter, write_source
 
 
 @pytest.fixture

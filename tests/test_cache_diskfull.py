@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,8 @@ from transformd.cache import Cache, CacheFullError, DiskFullError
 from transformd.cache import budget as budget_mod
 from transformd.cache import store as store_mod
 from transformd.cache.store import ENTRY_OVERHEAD_BYTES
-from transformd.cache.testing import CopyConverter, FillingConverter, write_source
+
+from .support.fakes import CopyConverter, FillingConverter, write_source
 
 
 class _SimulatedFull:
@@ -30,19 +30,10 @@ class _SimulatedFull:
 
 
 @pytest.fixture
-def small_fs(tmp_path):
+def small_fs(tmp_path, mount_tmpfs):
     """(directory on a 2 MiB file system, whether it is a real tmpfs)."""
     mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError):
-        yield mnt, False
-        return
-    try:
-        yield mnt, True
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
+    return mnt, mount_tmpfs(mnt, "2m")
 
 
 def _tree(d: Path) -> dict[str, bytes]:

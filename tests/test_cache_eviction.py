@@ -13,7 +13,8 @@ from transformd.cache import Cache, CacheFullError, EntryLeasedError, EntryNotFo
 from transformd._durable import write_json_atomic
 from transformd.cache.lock import process_identity
 from transformd.cache.store import ENTRY_OVERHEAD_BYTES
-from transformd.cache.testing import CopyConverter, write_source
+
+from .support.fakes import CopyConverter, write_source
 
 SHARD = 50_000
 

@@ -13,8 +13,9 @@ import pytest
 from transformd.cache import Cache, InvalidKeyError, Recipe, SourceError, cache_key, source_identity, validate_key
 from transformd.cache import keys as keys_mod
 from transformd.cache.keys import StatCache
-from transformd.cache.testing import CopyConverter, write_source
 from transformd.formats import FORMAT_VERSION
+
+from .support.fakes import CopyConverter, write_source
 
 
 @pytest.fixture

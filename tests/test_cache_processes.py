@@ -7,25 +7,21 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from transformd.cache import Cache, Recipe
-from transformd.cache.testing import CopyConverter, write_source
+
+from .support.fakes import CopyConverter, worker_command, write_source
 
 PUBLISH_PHASES = ["reserved", "converted", "sealed", "manifest-written", "before-rename", "published"]
 
 
 def _worker(root: Path, src: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "transformd.cache.testing", "--root", str(root), "--src", str(src), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    argv, env = worker_command("--root", str(root), "--src", str(src), *args)
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:

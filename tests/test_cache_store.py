@@ -22,8 +22,9 @@ from transformd.cache import (
     SourceError,
     default_root,
 )
-from transformd.cache.testing import CopyConverter, FailingConverter, write_source
 from transformd.formats import MxFormatError
+
+from .support.fakes import CopyConverter, FailingConverter, write_source
 
 
 def _tree(d: Path) -> dict[str, bytes]:

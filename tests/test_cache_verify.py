@@ -7,7 +7,8 @@ import os
 import pytest
 
 from transformd.cache import Cache, EntryNotFoundError
-from transformd.cache.testing import CopyConverter, write_source
+
+from .support.fakes import CopyConverter, write_source
 
 
 @pytest.fixture

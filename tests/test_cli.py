@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from transformd import cli
 
-from .test_checkpoint import O, SHARD_B, _poke, _set, assert_converted, default_shards, write_checkpoint
+from .support.checkpoints import O, SHARD_B, assert_converted, default_shards, poke, set_tensor, write_checkpoint
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, list[str], list[str]]:
@@ -103,7 +103,7 @@ def test_convert_non_empty_out_exit_2(tmp_path: Path, capsys) -> None:
 
 def test_convert_invalid_values_exit_2_nothing_written(tmp_path: Path, capsys) -> None:
     shards = default_shards()
-    _set(f"{O}.weight_scale", _poke((1, 1), 0xFF))(shards)
+    set_tensor(f"{O}.weight_scale", poke((1, 1), 0xFF))(shards)
     src = write_checkpoint(tmp_path / "src", shards)
     code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu")
     assert code == 2 and stdout == [] and len(stderr) == 1

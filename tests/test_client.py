@@ -1,6 +1,6 @@
 """The client and ``transformd resolve``/``health`` against a fake daemon that speaks the HTTP contract.
 
-The fake (tests/fake_daemon.py) runs under uvicorn on a temporary unix socket and on a loopback
+The fake (tests/support/fake_daemon.py) runs under uvicorn on a temporary unix socket and on a loopback
 port with a bearer token; the end-to-end tests against the real daemon live with the daemon. The answers the
 client relies on (403 source_not_allowed, 404, 401, ...) are pinned for the fake and the real daemon alike in
 tests/test_client_contract.py.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_daemon import FakeDaemon, ServerThread
+from tests.support.fake_daemon import FakeDaemon, ServerThread
 from transformd.cli import resolve as resolve_cli
 from transformd.client import (
     CheckpointStatus,

@@ -1,4 +1,5 @@
-"""The HTTP contract the client relies on, held by the fake daemon (tests/fake_daemon.py) and the real one alike.
+"""The HTTP contract the client relies on, held by the fake daemon (tests/support/fake_daemon.py) and the real one
+alike.
 
 test_client.py drives the client's retry, timeout and progress paths with the fake, which can script them. That is
 only worth something if the fake answers like the daemon: every test here runs against both (``daemon`` is
@@ -16,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_daemon import FakeDaemon, ServerThread
+from tests.support.fake_daemon import FakeDaemon, ServerThread
 from transformd.client import NotAllowedError, NotFoundError, TransformdClient, UnauthorizedError
 from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, OrderedCopyConverter
-from transformd.cache.testing import write_source
+
+from .support.daemon import DaemonThread
+from .support.fakes import OrderedCopyConverter, write_source
 
 TOKEN = "contract-token-0123456789abcdef0123"
 

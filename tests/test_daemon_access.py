@@ -29,8 +29,7 @@ import os
 import shutil
 import socket
 import stat
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,9 @@ import pytest
 
 from transformd.daemon import middleware
 from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, raw_request, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonThread, raw_request, short_tempdir, wait_ready
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -50,19 +50,11 @@ OLD_ATIME = 1_000_000_000  # 2001-09-09: any read updates it, under relatime as 
 OLD_MTIME = 999_000_000
 
 
-def _mount_tmpfs(path: Path, options: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, timeout=30,
-                       check=False)
-    return r.returncode == 0
-
-
 @pytest.fixture
-def world(tmp_path: Path) -> Iterator[dict[str, Any]]:
+def world(tmp_path: Path, mount_tmpfs: Callable[..., bool]) -> Iterator[dict[str, Any]]:
     """models/ (the allowed root) with a good checkpoint and hostile ones; outside/ (the canary) beside it."""
     outside = tmp_path / "outside"
-    mounted = os.geteuid() == 0 and _mount_tmpfs(outside, "size=16m,strictatime,mode=0755")
-    outside.mkdir(exist_ok=True)
+    mounted = mount_tmpfs(outside, "16m", "strictatime", "mode=0755")
     models = tmp_path / "models"
     good = write_sample_checkpoint(models / "good", layers=1, experts=2)
     shard = max(good.glob("*.safetensors"))
@@ -131,8 +123,6 @@ def world(tmp_path: Path) -> Iterator[dict[str, Any]]:
         }
     finally:
         shutil.rmtree(run, ignore_errors=True)
-        if mounted:
-            subprocess.run(["umount", "-l", str(outside)], capture_output=True, timeout=30, check=False)
 
 
 def _atimes(paths: list[Path]) -> dict[str, int]:

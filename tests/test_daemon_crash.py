@@ -1,9 +1,10 @@
 """The real daemon process killed (SIGKILL) or stopped (SIGTERM) in the middle of a conversion, many times.
 
-Each test runs ``python -m transformd serve`` in a subprocess with the real converter on the CPU, slowed down by
-the test-only hook ``TRANSFORMD_TEST_HOOKS`` (transformd/api/testing.py: a sleep at every progress update and at
-the publish phases), so that a conversion of the sample checkpoint lasts about a second and a kill at a random
-moment (seeded) lands in any of its phases: converting, publishing (digests and fsync), the manifest, the rename.
+Each test runs the daemon in a subprocess (``python -m tests.support.daemon serve``: ``transformd serve``'s flags
+and server) with the real converter on the CPU, slowed down by injected hooks (tests/support/daemon.py: a sleep at
+every progress update and at the publish phases), so that a conversion of the sample checkpoint lasts about a second
+and a kill at a random moment (seeded) lands in any of its phases: converting, publishing (digests and fsync), the
+manifest, the rename.
 
 After every kill, before anything restarts: no entry is visible unless it is complete (verify passes). After the
 restart: the stale staging directory and lock are gone, the next request converts (or finds the entry the killed
@@ -28,10 +29,11 @@ from typing import Any
 import pytest
 
 from transformd.client import DaemonUnavailableError, TransformdClient
-from transformd.daemon.testing import DaemonProcess, metric_value, short_tempdir
 from transformd.cache import Cache
 from transformd.checkpoint import convert_checkpoint
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonProcess, metric_value, short_tempdir
 
 pytestmark = pytest.mark.timeout(150)
 

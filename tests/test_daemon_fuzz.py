@@ -15,7 +15,6 @@ documented answers accepted as such (unknown keys are 404, a key or lease in the
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +26,9 @@ from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
 from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonThread, Daemons, wait_ready
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,21 +60,17 @@ def _daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     token = root / "token"
     token.write_text(TOKEN)
     os.chmod(token, 0o600)  # the daemon refuses a token file others can read
-    run = short_tempdir("tdf-")
-    d = DaemonThread(
-        Settings(
-            socket=run / "td.sock",
+    with Daemons() as daemons:
+        d = daemons.start(
             port=0,
             token_file=token,
             cache_dir=root / "cache",
             allow_roots=[models],
-            device="cpu",
+            prefix="tdf-",
             log_level="critical",
             max_lease_ttl_s=MAX_LEASE_TTL_S,
             max_queued_conversions=1000,
         )
-    ).start()
-    try:
         with d.client() as http:
             key = wait_ready(http, http.post("/v1/checkpoints", json={"source": str(sample)}).json()["key"])["key"]
             assert http.post(f"/v1/checkpoints/{key}/leases", json={"ttl_s": 600}).status_code == 201
@@ -82,9 +78,6 @@ def _daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         shard = max(p.name for p in sample.glob("*.safetensors"))
         yield {"daemon": d, "url": d.base_url, "key": key, "cache": root / "cache", "source": str(sample),
                "shard": shard}
-    finally:
-        d.stop()
-        shutil.rmtree(run, ignore_errors=True)
 
 
 def _openapi_document() -> dict[str, Any]:

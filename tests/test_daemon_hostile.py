@@ -1,9 +1,10 @@
 """Hostile and broken checkpoints POSTed to the running daemon: a clear JSON error, the daemon serving, an empty cache.
 
-The corpus is tests/test_faults_hostile.py's (``CORPUS``: truncated shards, header length past the file, headers
+The corpus is tests/support/hostile.py's (``CORPUS``: truncated shards, header length past the file, headers
 that are not JSON or are huge, overlapping and out-of-range offsets, unknown dtypes, shape/byte-count mismatches,
 NaN codes, E8M0 0xFF, scale shape mismatches, indexes naming missing files or paths outside, symlinks escaping,
-FIFOs, broken configs, ...); that module checks the library, the cache and the command line, this one the daemon.
+FIFOs, broken configs, ...); tests/test_faults_hostile.py feeds it to the library, the cache and the command line,
+this module to the daemon.
 Every case is built in its own directory ``c<i>/work/src`` with ``c<i>/work/outside`` beside it; the daemon (the
 real app under uvicorn on a unix socket, real converter) allows only the ``src`` directories, so ``outside`` is
 outside every allowed root.
@@ -24,7 +25,6 @@ there), ``/healthz`` is 200; after the whole corpus a valid checkpoint still con
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,11 +33,10 @@ from typing import Any
 import httpx
 import pytest
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir
 from transformd.sample import write_sample_checkpoint
 
-from .test_faults_hostile import CORPUS, Expect, build_case, check_message
+from .support.daemon import Daemons
+from .support.hostile import CORPUS, Expect, build_case, check_message
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,21 +70,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         src, _, expect = build_case(root / f"c{i}", name)
         cases[name] = (src, expect)
     good = write_sample_checkpoint(root / "good" / "sample", layers=1, experts=2)
-    run = short_tempdir("tdh-")
-    settings = Settings(
-        socket=run / "td.sock",
-        cache_dir=root / "cache",
-        allow_roots=[src for src, _ in cases.values()] + [good.parent],
-        device="cpu",
-        log_level="critical",
-    )
-    daemon = DaemonThread(settings).start()
-    try:
+    with Daemons() as daemons:
+        daemon = daemons.start(cache_dir=root / "cache", allow_roots=[src for src, _ in cases.values()] + [good.parent],
+                               prefix="tdh-", log_level="critical")
         with daemon.client(timeout=30) as http:
             yield {"daemon": daemon, "http": http, "cases": cases, "good": good, "cache": root / "cache"}
-    finally:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
 
 
 def _wait_failed(http: httpx.Client, key: str, timeout: float = 30.0) -> dict[str, Any]:
@@ -172,23 +161,20 @@ def test_the_daemon_still_converts_after_the_corpus(world: dict[str, Any], fault
     )
 
 
-def test_a_cached_refusal_is_not_reported_for_another_path_with_the_same_key(tmp_path: Path, fault_log) -> None:
+def test_a_cached_refusal_is_not_reported_for_another_path_with_the_same_key(tmp_path: Path, daemons: Daemons,
+                                                                             fault_log) -> None:
     """Regression: the key covers regular files only, so a checkpoint without config.json and one whose config.json
     is a FIFO have the same key. The daemon used to answer the second with the first's cached 422, naming the
     first directory's file and the wrong problem."""
     root = tmp_path / "models"
     missing, _, _ = build_case(root / "a", "config.json missing")
     fifo, _, fifo_expect = build_case(root / "b", "FIFO as config.json")
-    run = short_tempdir("tdh-")
-    settings = Settings(socket=run / "td.sock", cache_dir=tmp_path / "cache", allow_roots=[missing, fifo],
-                        device="cpu", log_level="critical")
-    try:
-        with DaemonThread(settings) as daemon, daemon.client() as http:
-            first = http.post("/v1/checkpoints", json={"source": str(missing)})
-            second = http.post("/v1/checkpoints", json={"source": str(fifo)})
-            third = http.post("/v1/checkpoints", json={"source": str(missing)})
-    finally:
-        shutil.rmtree(run, ignore_errors=True)
+    daemon = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[missing, fifo], prefix="tdh-",
+                           log_level="critical")
+    with daemon.client() as http:
+        first = http.post("/v1/checkpoints", json={"source": str(missing)})
+        second = http.post("/v1/checkpoints", json={"source": str(fifo)})
+        third = http.post("/v1/checkpoints", json={"source": str(missing)})
     assert first.status_code == second.status_code == third.status_code == 422
     assert first.json()["error"]["message"] == third.json()["error"]["message"]
     message = second.json()["error"]["message"]

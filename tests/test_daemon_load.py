@@ -1,11 +1,12 @@
 """The real daemon process under load: many concurrent clients, a steady stream of status queries, real conversions.
 
-``python -m transformd serve`` runs in a subprocess (its own event loop and GIL, as in production) with the real
-converter on the CPU, two conversion workers and a short queue. For a bounded time, 32 client threads resolve
-seeded picks among five (checkpoint, target) pairs (three checkpoints share their weights but differ in content,
-so their keys differ), while two probe threads query /healthz, a checkpoint's status, /v1/cache and /metrics
-without pause. The test-only hook ``TRANSFORMD_TEST_HOOKS`` only logs when each converter run starts and ends
-(no slow-down), which gives the number of runs per key and how many overlapped.
+The daemon runs in a subprocess (its own event loop and GIL, as in production; ``python -m tests.support.daemon
+serve``: ``transformd serve``'s flags and server) with the real converter on the CPU, two conversion workers and a
+short queue. For a bounded time, 32 client threads resolve seeded picks among five (checkpoint, target) pairs (three
+checkpoints share their weights but differ in content, so their keys differ), while two probe threads query
+/healthz, a checkpoint's status, /v1/cache and /metrics without pause. The injected converter hook
+(tests/support/daemon.py) only logs when each converter run starts and ends (no slow-down), which gives the number
+of runs per key and how many overlapped.
 
 Asserted: every resolve returned the right converted directory (a 503 ``queue_full`` is documented backpressure
 with ``Retry-After``, which the client honours; nothing else may fail), one conversion per key (log and
@@ -29,8 +30,9 @@ import httpx
 import pytest
 
 from transformd.client import TransformdClient
-from transformd.daemon.testing import DaemonProcess, metric_value, short_tempdir
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonProcess, metric_value, short_tempdir
 
 pytestmark = pytest.mark.timeout(120)
 

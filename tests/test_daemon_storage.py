@@ -23,12 +23,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +37,14 @@ import torch
 from safetensors import safe_open
 
 from transformd.client import TransformdClient, TransformdError
-from transformd.daemon.settings import Settings
 from transformd.daemon.shards import TransformdShardConverter
-from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.cache import Cache
 from transformd._durable import rmtree_force
 from transformd.loader import load_from_daemon
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonThread, Daemons, wait_ready
+from .support.tmpfs import remount
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -61,39 +61,19 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def disk(tmp_path: Path) -> Iterator[dict[str, Any]]:
+def disk(tmp_path: Path, mount_tmpfs: Callable[..., bool]) -> dict[str, Any]:
     """A small tmpfs (``mounted``) or a plain directory; ``cache`` is inside it."""
     mnt = tmp_path / "disk"
-    mnt.mkdir()
-    mounted = False
-    if os.geteuid() == 0:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0755", "tmpfs", str(mnt)],
-                           capture_output=True, timeout=30, check=False)
-        mounted = r.returncode == 0
-    try:
-        yield {"mnt": mnt, "cache": mnt / "cache", "mounted": mounted}
-    finally:
-        if mounted:
-            subprocess.run(["mount", "-o", "remount,rw", str(mnt)], capture_output=True, timeout=30, check=False)
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30, check=False)
+    mounted = mount_tmpfs(mnt, TMPFS_BYTES, "mode=0755")
+    return {"mnt": mnt, "cache": mnt / "cache", "mounted": mounted}
 
 
 @pytest.fixture
-def start() -> Iterator[Callable[..., DaemonThread]]:
-    daemons: list[tuple[DaemonThread, Path]] = []
-
-    def start(cache: Path, models: Path, converter: Any = None, **kw: Any) -> DaemonThread:
-        run = short_tempdir("tds-")
-        settings = Settings(socket=run / "td.sock", cache_dir=cache, allow_roots=[models], device="cpu",
-                            log_level="critical", **kw)
-        daemon = DaemonThread(settings, converter=converter).start()
-        daemons.append((daemon, run))
-        return daemon
-
-    yield start
-    for daemon, run in daemons:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
+def start(daemons: Daemons) -> Callable[..., DaemonThread]:
+    """``start(cache, models, converter=None, **settings)``: a daemon on ``cache`` that allows ``models``."""
+    return lambda cache, models, converter=None, **kw: daemons.start(
+        converter, cache_dir=cache, allow_roots=[models], prefix="tds-", log_level="critical", **kw
+    )
 
 
 def fill(mnt: Path, name: str = "filler") -> int:
@@ -284,7 +264,7 @@ def test_cache_directory_made_read_only_under_the_running_daemon(start, disk: di
     daemon = start(cache, models)
     with daemon.client() as http:
         a = _resolve(http, models / "m0")
-        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, capture_output=True, timeout=30)
+        remount(mnt, "ro")
         try:
             health = http.get("/healthz")
             assert health.status_code == 503 and health.json()["status"] == "degraded", health.text
@@ -305,7 +285,7 @@ def test_cache_directory_made_read_only_under_the_running_daemon(start, disk: di
             assert err["status"] == 503 and err["code"] == "cache_unavailable", err
             assert "read-only" in err["message"] and str(cache) in err["message"], err
         finally:
-            subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True, capture_output=True, timeout=30)
+            remount(mnt, "rw")
         assert http.get("/healthz").status_code == 200
         b = _resolve(http, models / "m1")
         assert b["state"] == "ready"

@@ -26,9 +26,10 @@ from pathlib import Path
 import pytest
 
 from transformd.cache import Cache
-from transformd.cache.testing import CopyConverter, write_source
 from transformd.checkpoint import convert_checkpoint
 from transformd.sample import write_sample_checkpoint
+
+from .support.fakes import CopyConverter, write_source
 
 
 @dataclass

@@ -23,7 +23,8 @@ from transformd.reference import dequantize_block, dequantize_mx
 from transformd.safetensors_io import read_header
 from transformd.sample import write_sample_checkpoint
 
-from .layouts import LAYOUTS, QUARK_ROWS, minimax
+from .support.daemon import Daemons, wait_ready
+from .support.layouts import LAYOUTS, QUARK_ROWS, minimax
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -300,23 +301,15 @@ def test_minimax_m3_is_refused_for_vllm(tmp_path: Path) -> None:
 # -- the daemon ----------------------------------------------------------------------------------------------------
 
 
-def _daemon(tmp_path: Path, models: Path, platform: Platform):
-    from transformd.daemon.settings import Settings
-    from transformd.daemon.testing import DaemonThread, short_tempdir
-
-    run = short_tempdir()
-    settings = Settings(socket=run / "td.sock", cache_dir=tmp_path / "cache", allow_roots=[models], device="cpu",
-                        log_level="warning")
-    return DaemonThread(settings, platform=platform).start()
+def _daemon(daemons: Daemons, tmp_path: Path, models: Path, platform: Platform):
+    return daemons.start(cache_dir=tmp_path / "cache", allow_roots=[models], platform=platform)
 
 
-def test_daemon_target_auto_engine_readiness_and_refusal(tmp_path: Path) -> None:
-    from transformd.daemon.testing import wait_ready
-
+def test_daemon_target_auto_engine_readiness_and_refusal(tmp_path: Path, daemons: Daemons) -> None:
     models = tmp_path / "models"
     good = write_sample_checkpoint(models / "good", layers=1, experts=2)
     odd = write_sample_checkpoint(models / "odd", layers=1, experts=2, hidden=320, moe_intermediate=224, head_dim=64)
-    daemon = _daemon(tmp_path, models, Platform("amd", "gfx942"))
+    daemon = _daemon(daemons, tmp_path, models, Platform("amd", "gfx942"))
     try:
         with daemon.client() as http:
             health = http.get("/healthz").json()
@@ -341,10 +334,10 @@ def test_daemon_target_auto_engine_readiness_and_refusal(tmp_path: Path) -> None
         daemon.stop()
 
 
-def test_daemon_on_native_mx_serves_the_source(tmp_path: Path) -> None:
+def test_daemon_on_native_mx_serves_the_source(tmp_path: Path, daemons: Daemons) -> None:
     models = tmp_path / "models"
     good = write_sample_checkpoint(models / "good", layers=1, experts=2)
-    daemon = _daemon(tmp_path, models, Platform("amd", "gfx950"))
+    daemon = _daemon(daemons, tmp_path, models, Platform("amd", "gfx950"))
     try:
         with daemon.client() as http:
             r = http.post("/v1/checkpoints", json={"source": str(good), "engine": "vllm"})

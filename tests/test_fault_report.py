@@ -1,6 +1,6 @@
 """tests/fault-report.md must describe the tests that land: it is regenerated whenever they change.
 
-Each row of the report is written only after its test's assertions passed (tests/faultlog.py), so the rows are
+Each row of the report is written only after its test's assertions passed (tests/support/faultlog.py), so the rows are
 a function of the recording tests' code. The report's header records the sha256 of those modules; when they have
 changed since, the report may describe assertions that no longer exist (or miss new ones), and this test fails.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests import faultlog
+from tests.support import faultlog
 
 REPORT = Path(__file__).resolve().parent / "fault-report.md"
 REGENERATE = "TRANSFORMD_FAULT_REPORT=tests/fault-report.md .venv/bin/python -m pytest -q (the whole suite)"

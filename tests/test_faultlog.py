@@ -21,7 +21,7 @@ def test_report_goes_to_tmpdir_by_default(tmp_path: Path) -> None:
     tmpdir.mkdir()
     env = {**os.environ, "TRANSFORMD_FAULT_REPORT": "1", "TMPDIR": str(tmpdir)}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.faultlog", "-p", "no:cacheprovider", "--rootdir",
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.support.faultlog", "-p", "no:cacheprovider", "--rootdir",
          str(tmp_path), "-c", os.devnull, str(tmp_path / "test_one.py")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
     )
@@ -44,7 +44,7 @@ def test_rows_recorded_in_xdist_workers_reach_the_report(tmp_path: Path) -> None
     report = tmp_path / "report.md"
     env = {**os.environ, "TRANSFORMD_FAULT_REPORT": str(report)}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "tests.faultlog", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "tests.support.faultlog", "-p", "no:cacheprovider",
          "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_two.py")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
     )

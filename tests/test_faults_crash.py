@@ -40,7 +40,7 @@ from transformd.cache import Cache
 from transformd.checkpoint import convert_checkpoint
 from transformd.sample import write_sample_checkpoint
 
-from .test_checkpoint import write_checkpoint
+from .support.checkpoints import write_checkpoint
 
 TRANSFORMD = Path(sys.executable).with_name("transformd")
 #: 86 MB; converts in ~1 s on one core of the CI machine.

@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import blake3
@@ -36,30 +35,14 @@ from transformd.checkpoint import convert as checkpoint_mod
 from transformd.checkpoint import OutputError, convert_checkpoint
 from transformd.sample import write_sample_checkpoint
 
-from .test_checkpoint import write_checkpoint
+from .support.checkpoints import write_checkpoint
+from .support.tmpfs import remount, tmpfs
 
 CATEGORY = "storage faults"
 
 
 def files(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[bool]:
-    """Mount a tmpfs of ``size`` on ``path``; yields whether it is real (False: mounting was refused)."""
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True,
-                       capture_output=True)
-    except (OSError, subprocess.CalledProcessError):
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        subprocess.run(["mount", "-o", "remount,rw", str(path)], check=False, capture_output=True)
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
 def fill(fs_dir: Path, leave: int) -> Path:
@@ -228,7 +211,7 @@ def test_read_only_out(sample, tmp_path: Path, capsys, fault_log) -> None:
         if not real:
             pytest.skip("a read-only file system needs mount rights (chmod does not stop root)")
         (fs / "work").mkdir()
-        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True, capture_output=True)
+        remount(fs, "ro")
         out = fs / "work" / "out"
         with pytest.raises(OutputError) as info:
             convert_checkpoint(src, out, device="cpu")
@@ -307,7 +290,7 @@ def test_cache_directory_made_read_only(sample, tmp_path: Path, capsys, fault_lo
         cache = Cache(fs / "cache", budget_bytes="1G", device="cpu")
         a = cache.get_or_convert(small)
         a_files = files(a.path)
-        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True, capture_output=True)
+        remount(fs, "ro")
 
         hit = cache.get_or_convert(small)  # existing entries keep being served
         assert hit.outcome == "hit" and files(hit.path) == a_files
@@ -326,7 +309,7 @@ def test_cache_directory_made_read_only(sample, tmp_path: Path, capsys, fault_lo
         err = capsys.readouterr().err.splitlines()
         assert code == 1 and len(err) == 1 and "read-only" in err[0], err
 
-        subprocess.run(["mount", "-o", "remount,rw", str(fs)], check=True, capture_output=True)
+        remount(fs, "rw")
         assert_nothing_in_flight(cache)
         entry = cache.get_or_convert(src)
         assert entry.outcome == "converted" and files(entry.path) == expected

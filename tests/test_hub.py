@@ -23,9 +23,10 @@ import pytest
 from transformd import hub
 from transformd.client import NotFoundError, TransformdClient
 from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.cli import main as cli_main
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonThread, Daemons, short_tempdir, wait_ready
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,16 +282,11 @@ def test_convert_refuses_with_exit_2(hub_cache: Path, tmp_path: Path, monkeypatc
 @pytest.fixture(scope="module")
 def daemon(hub_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonThread]:
     """A daemon whose allowed root holds the hub cache; it finds it through HF_HUB_CACHE."""
-    run = short_tempdir()
     mp = pytest.MonkeyPatch()
     mp.setenv("HF_HUB_CACHE", str(hub_cache))
-    settings = Settings(socket=run / "td.sock", cache_dir=tmp_path_factory.mktemp("cache"),
-                        allow_roots=[hub_cache.parent], device="cpu", log_level="warning")
-    d = DaemonThread(settings).start()
-    yield d
-    d.stop()
+    with Daemons() as daemons:
+        yield daemons.start(cache_dir=tmp_path_factory.mktemp("cache"), allow_roots=[hub_cache.parent])
     mp.undo()
-    shutil.rmtree(run, ignore_errors=True)
 
 
 def _post(http, expect: int | None = None, **body: object) -> dict:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.fake_daemon import FakeDaemon, ServerThread
+from tests.support.fake_daemon import FakeDaemon, ServerThread
 from transformd.client import ShardFile, TransformdClient
 from transformd.checkpoint import convert_checkpoint
 from transformd.loader import LoadedTensors, load_from_daemon, load_tensors

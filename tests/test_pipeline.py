@@ -33,7 +33,7 @@ from transformd.sample import write_sample_checkpoint
 #: Shapes with partial 128x128 tiles on every weight (the sample's defaults are engine-aligned).
 AWKWARD = {"hidden": 320, "moe_intermediate": 224, "head_dim": 64}
 
-from .test_checkpoint import assert_converted_sample
+from .support.checkpoints import assert_converted_sample
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ from transformd.checkpoint import CheckpointError, convert_checkpoint
 from transformd.reference import dequantize_mx
 from transformd.sample import write_sample_checkpoint
 
-from .layouts import compressed_tensors, fused, minimax, modelopt, quark, quark_per_block
+from .support.layouts import compressed_tensors, fused, minimax, modelopt, quark, quark_per_block
 
 
 #: Names a transformers parameter can have in a checkpoint (MiniMax's own naming; per-expert projections).

@@ -16,17 +16,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import Daemons, short_tempdir, wait_ready
+from .support.callers import NOBODY, as_uid
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -34,44 +32,7 @@ pytestmark = [
 ]
 
 CATEGORY = "trust 2: confused deputy (caller credentials)"
-NOBODY = 65534
 OWNER = 1000
-
-_CLIENT = textwrap.dedent(
-    """
-    import json, os, socket, sys
-    uid = int(sys.argv[2])
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    out = []
-    for method, path, body in json.loads(sys.argv[3]):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(60)
-        s.connect(sys.argv[1])
-        data = b"" if body is None else json.dumps(body).encode()
-        s.sendall(f"{method} {path} HTTP/1.1\\r\\nHost: td\\r\\nContent-Type: application/json\\r\\n"
-                  f"Content-Length: {len(data)}\\r\\nConnection: close\\r\\n\\r\\n".encode() + data)
-        raw = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            raw += chunk
-        s.close()
-        head, _, payload = raw.partition(b"\\r\\n\\r\\n")
-        out.append([int(head.split()[1]), payload.decode("utf-8", "replace")])
-    print(json.dumps(out))
-    """
-)
-
-
-def as_uid(sock: Path, uid: int, requests: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
-    """Run ``requests`` (method, path, JSON body) as ``uid`` in a child process; (status, JSON) per request."""
-    r = subprocess.run([sys.executable, "-c", _CLIENT, str(sock), str(uid), json.dumps(requests)],
-                       capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 0, r.stderr
-    return [(status, json.loads(body) if body.strip() else None) for status, body in json.loads(r.stdout)]
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +52,15 @@ def world() -> Iterator[dict[str, Any]]:
     for p in [public.parent, public, *public.rglob("*")]:
         os.chown(p, NOBODY, NOBODY)
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
-    run = short_tempdir("tdc-")
-    os.chmod(run, 0o755)
-    settings = Settings(socket=run / "td.sock", cache_dir=base / "cache", allow_roots=[allowed], device="cpu",
-                        log_level="critical")
-    daemon = DaemonThread(settings).start()
-    os.chmod(run / "td.sock", 0o666)  # let the unprivileged process connect (the test's choice, not the default)
     try:
-        with daemon.client(timeout=60) as http:
-            yield {"http": http, "sock": run / "td.sock", "private": private, "public": public}
+        with Daemons() as daemons:
+            daemon = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdc-", log_level="critical")
+            sock = daemon.socket_path
+            os.chmod(sock.parent, 0o755)
+            os.chmod(sock, 0o666)  # let the unprivileged process connect (the test's choice, not the default)
+            with daemon.client(timeout=60) as http:
+                yield {"http": http, "sock": sock, "private": private, "public": public}
     finally:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import Daemons
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,16 +57,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     allowed.mkdir()
     good = write_sample_checkpoint(base / "sample", layers=1, experts=2)
     files = {p.name: p.read_bytes() for p in good.iterdir() if p.is_file()}
-    run = short_tempdir("tdq-")
-    settings = Settings(socket=run / "td.sock", cache_dir=base / "cache", allow_roots=[allowed], device="cpu",
-                        log_level="critical")
-    daemon = DaemonThread(settings).start()
-    try:
+    with Daemons() as daemons:
+        daemon = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdq-", log_level="critical")
         with daemon.client(timeout=60) as http:
             yield {"http": http, "allowed": allowed, "files": files}
-    finally:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
 
 
 def _key(world: dict[str, Any], src: Path) -> str:

@@ -22,8 +22,9 @@ import httpx
 import pytest
 
 from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonThread, short_tempdir, wait_ready
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonProcess, DaemonThread, short_tempdir
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import DaemonProcess, Daemons, short_tempdir
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -98,17 +98,14 @@ def test_fifo_download_records_do_not_block_anyone(tmp_path: Path, fault_log) ->
                      "never opened blocking: 422 each, healthz and lookups answer")
 
 
-def test_idle_tcp_connections_cannot_starve_the_unix_socket(tmp_path: Path, fault_log) -> None:
+def test_idle_tcp_connections_cannot_starve_the_unix_socket(tmp_path: Path, daemons: Daemons, fault_log) -> None:
     (tmp_path / "models").mkdir()
     token = tmp_path / "token"
     token.write_text(TOKEN)
     os.chmod(token, 0o600)
-    run = short_tempdir("tdi-")
     limit, idle_n = 20, 30
-    settings = Settings(socket=run / "td.sock", port=0, token_file=token, cache_dir=tmp_path / "cache",
-                        allow_roots=[tmp_path / "models"], device="cpu", log_level="critical",
-                        max_tcp_connections=limit, header_timeout_s=1.5)
-    daemon = DaemonThread(settings).start()
+    daemon = daemons.start(port=0, token_file=token, cache_dir=tmp_path / "cache", allow_roots=[tmp_path / "models"],
+                           prefix="tdi-", log_level="critical", max_tcp_connections=limit, header_timeout_s=1.5)
     idle: list[socket.socket] = []
     try:
         assert daemon.listeners.tcp_address is not None
@@ -144,6 +141,5 @@ def test_idle_tcp_connections_cannot_starve_the_unix_socket(tmp_path: Path, faul
         for s in idle:
             s.close()
         daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
     fault_log.record(CATEGORY, f"{idle_n} idle TCP connections without a request (TCP limit {limit})", idle_n,
                      "unix socket answers; TCP past the limit: JSON 503; idle ones closed (JSON 408) after 1.5 s")

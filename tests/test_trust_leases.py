@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir, wait_ready
 from transformd.sample import write_sample_checkpoint
 
-from .test_trust_callers import NOBODY, as_uid
+from .support.daemon import Daemons, short_tempdir, wait_ready
+from .support.callers import NOBODY, as_uid
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -42,21 +41,19 @@ def world() -> Iterator[dict[str, Any]]:
     src = write_sample_checkpoint(allowed / "m", layers=1, experts=2)
     for p in [allowed, src, *src.rglob("*")]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
-    run = short_tempdir("tdl-")
-    os.chmod(run, 0o755)
-    settings = Settings(socket=run / "td.sock", cache_dir=base / "cache", allow_roots=[allowed], device="cpu",
-                        log_level="critical", max_leases_per_caller=CAP)
-    daemon = DaemonThread(settings).start()
-    os.chmod(run / "td.sock", 0o666)
     try:
-        with daemon.client(timeout=60) as http:
-            r = http.post("/v1/checkpoints", json={"source": str(src)})
-            key = r.json()["key"]
-            assert wait_ready(http, key, timeout=120)["state"] == "ready"
-            yield {"http": http, "sock": run / "td.sock", "src": src, "key": key}
+        with Daemons() as daemons:
+            daemon = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdl-",
+                                   log_level="critical", max_leases_per_caller=CAP)
+            sock = daemon.socket_path
+            os.chmod(sock.parent, 0o755)
+            os.chmod(sock, 0o666)
+            with daemon.client(timeout=60) as http:
+                r = http.post("/v1/checkpoints", json={"source": str(src)})
+                key = r.json()["key"]
+                assert wait_ready(http, key, timeout=120)["state"] == "ready"
+                yield {"http": http, "sock": sock, "src": src, "key": key}
     finally:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
 
 

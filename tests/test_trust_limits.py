@@ -11,18 +11,16 @@ Real daemon on a unix socket, real files:
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import Daemons
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,16 +31,11 @@ CATEGORY = "trust 6: work before limits"
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     base = tmp_path_factory.mktemp("trust-limits")
     (base / "models").mkdir()
-    run = short_tempdir("tdb-")
-    settings = Settings(socket=run / "td.sock", cache_dir=base / "cache", cache_budget="1G",
-                        allow_roots=[base / "models"], device="cpu", log_level="critical")
-    daemon = DaemonThread(settings).start()
-    try:
+    with Daemons() as daemons:
+        daemon = daemons.start(cache_dir=base / "cache", cache_budget="1G", allow_roots=[base / "models"],
+                               prefix="tdb-", log_level="critical")
         with daemon.client(timeout=120) as http:
             yield {"http": http, "models": base / "models"}
-    finally:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
 
 
 def test_a_source_over_budget_is_refused_before_hashing(world: dict[str, Any], fault_log) -> None:

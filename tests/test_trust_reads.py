@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import pytest
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, short_tempdir
 from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import Daemons
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,16 +46,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     good = write_sample_checkpoint(allowed / "good", layers=1, experts=2)
     shutil.copy(good / SHARD_B, outside / "real.safetensors")
     (outside / "secret.txt").write_bytes(SECRET)
-    run = short_tempdir("tdr-")
-    settings = Settings(socket=run / "td.sock", cache_dir=base / "cache", allow_roots=[allowed], device="cpu",
-                        log_level="critical")
-    daemon = DaemonThread(settings).start()
-    try:
+    with Daemons() as daemons:
+        daemon = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdr-", log_level="critical")
         with daemon.client(timeout=60) as http:
             yield {"http": http, "allowed": allowed, "outside": outside, "good": good, "cache": base / "cache"}
-    finally:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
 
 
 def _copy(world: dict[str, Any], name: str) -> Path:

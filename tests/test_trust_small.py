@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from transformd.daemon.settings import Settings
-from transformd.daemon.testing import DaemonThread, raw_request, short_tempdir
+
+from .support.daemon import Daemons, raw_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,15 +31,10 @@ CATEGORY = "trust 8: small holes"
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     base = tmp_path_factory.mktemp("trust-small")
     (base / "models").mkdir()
-    run = short_tempdir("tds-")
-    settings = Settings(socket=run / "td.sock", cache_dir=base / "cache", allow_roots=[base / "models"],
-                        device="cpu", log_level="critical")
-    daemon = DaemonThread(settings).start()
-    try:
-        yield {"sock": run / "td.sock", "base": base}
-    finally:
-        daemon.stop()
-        shutil.rmtree(run, ignore_errors=True)
+    with Daemons() as daemons:
+        daemon = daemons.start(cache_dir=base / "cache", allow_roots=[base / "models"], prefix="tds-",
+                               log_level="critical")
+        yield {"sock": daemon.socket_path, "base": base}
 
 
 def test_lone_surrogate_in_source_is_400(world: dict[str, Any], fault_log) -> None:

@@ -10,7 +10,7 @@ and commit the file. It checks, on the device:
 * ``convert_triton`` with each kernel variant (``portable``, ``ptx``), both targets, both scale modes, on random
   inputs (partial tiles, a single row, K = 32, a large 3-D stack) and on every awkward case of tests/test_kernels.py
   (-0, subnormal codes, extreme scales, every code, every amax significand): bit-identical to
-  ``transformd.reference.convert_reference`` (on the CPU) and to the NumPy oracle (tests/oracles.py);
+  ``transformd.reference.convert_reference`` (on the CPU) and to the NumPy oracle (tests/support/oracles.py);
 * a buffer not aligned to 16 bytes (``ptx`` falls back to ``portable``) and 2-D inputs;
 * invalid values (NaN codes, E8M0 0xFF, overflow) refused by each variant with ``MxFormatError``;
 * ``convert_weight`` on host tensors, chunked a few experts at a time, and on device tensors;
@@ -95,15 +95,10 @@ def run(dry_run: bool) -> dict:
     from transformd.reference import convert_reference
     from transformd.sample import write_sample_checkpoint
 
-    from tests.layouts import LAYOUTS
-    from tests.oracles import numpy_oracle
-    from tests.test_kernels import (
-        AWKWARD,
-        _invalid_cases,
-        random_mx,
-        test_grouped_launch_names_the_invalid_weight,
-        test_packed_launch_matches_reference,
-    )
+    from tests.support.kernel_cases import AWKWARD, invalid_cases, random_mx
+    from tests.support.layouts import LAYOUTS
+    from tests.support.oracles import numpy_oracle
+    from tests.test_kernels import test_grouped_launch_names_the_invalid_weight, test_packed_launch_matches_reference
 
     if not dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run this on a GPU machine, or pass --dry-run to test the script on the CPU")
@@ -178,7 +173,7 @@ def run(dry_run: bool) -> dict:
             same(convert_triton(qv, s.to(device), kernel=kernel), convert_reference(q, s))
 
         tally.check(f"{kernel}/unaligned buffer", unaligned)
-        for case, (q, s, words) in _invalid_cases().items():
+        for case, (q, s, words) in invalid_cases().items():
 
             def refused(q=q, s=s, words=words, kernel=kernel) -> None:
                 try:

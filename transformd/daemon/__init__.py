@@ -25,7 +25,7 @@ Modules (server): :mod:`.settings` (flags and ``TRANSFORMD_*``), :mod:`.server` 
 :mod:`.app` (routes), :mod:`.service` (jobs, queue, workers), :mod:`.shards` (shard priority and the
 converter adapter), :mod:`.files` (tensor tables), :mod:`.views` (state bodies), :mod:`.paths`
 (allowed roots), :mod:`.middleware` (token, body limit), :mod:`.errors`, :mod:`.metrics`,
-:mod:`.schemas`, :mod:`.testing` (a daemon in a thread, for tests and benchmarks).
+:mod:`.schemas`. A daemon in a thread, for tests: tests/support/daemon.py.
 
 Nothing here is imported eagerly: a client that imports ``transformd.client`` does not load
 FastAPI or uvicorn.

@@ -230,16 +230,11 @@ def create_app(
     policy = SourcePolicy(settings.source_roots())
     if converter is None:
         converter = TransformdShardConverter(settings.device)
-    base_converter = converter
     if cache is None:
         cache = Cache(
             settings.cache_dir, budget_bytes=settings.cache_budget, converter=converter, device=settings.device
         )
     cache.allowed_roots = policy.roots  # every source file is checked on its open descriptor (cache.securefs)
-    if os.environ.get("TRANSFORMD_TEST_HOOKS"):  # test-only (see .testing); off unless the variable is set
-        from .testing import apply_test_hooks
-
-        converter = apply_test_hooks(converter, cache)
     metrics = Metrics()
     entries = EntryIndex(cache)
     daemon: Daemon
@@ -262,7 +257,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.start()
-        if isinstance(base_converter, TransformdShardConverter):  # fails the start when --device cuda has no GPU
+        if isinstance(converter, TransformdShardConverter):  # fails the start when --device cuda has no GPU
             from ..convert import resolve_device
 
             daemon.device = str(await anyio.to_thread.run_sync(resolve_device, settings.device))

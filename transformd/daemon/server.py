@@ -218,13 +218,14 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def serve(settings: Settings, *, converter: Any = None, stream: Any = None) -> int:
-    """Run the daemon in this process until SIGINT/SIGTERM; returns the exit status."""
+def serve(settings: Settings, *, converter: Any = None, cache: Any = None, stream: Any = None) -> int:
+    """Run the daemon in this process until SIGINT/SIGTERM; returns the exit status. ``converter``, ``cache``: as
+    :func:`.app.create_app` takes them (defaults: the real converter, a cache of ``settings``)."""
     from .app import create_app
 
     stream = stream or sys.stderr
     _raise_open_files_limit()
-    app = create_app(settings, converter=converter)
+    app = create_app(settings, converter=converter, cache=cache)
     listeners = open_listeners(settings)
     server = build_server(app, settings)
 

@@ -24,9 +24,8 @@ Repo ids (``org/Model``, :mod:`transformd.hub`) are looked up in ``hub_cache`` o
 root: inside an ``--allow-root``, or added by ``--allow-hub-cache``. ``--allow-download`` lets the daemon
 fetch a repo that is not cached (into ``hub_cache``, which must then be writable); without it, it never does.
 
-``TRANSFORMD_TEST_HOOKS`` is not a setting: a test-only hook (slowed conversions, a log of converter runs) for
-the crash and load tests, described in :mod:`transformd.daemon.testing`; it is off unless set, and the daemon logs a
-warning when it is on. Never set it in production.
+No environment variable changes what the daemon does beyond these settings: tests that need a slowed or fake
+converter inject it (``create_app(converter=...)``, ``serve(settings, converter=...)``; tests/support/daemon.py).
 
 Callers (see :mod:`.peers`): on the unix socket, the peer's uid and groups from the kernel; every TCP token holder
 is one identity, ``tcp_uid``/``tcp_gids`` (``TRANSFORMD_TCP_UID``, ``TRANSFORMD_TCP_GIDS``: comma-separated),

@@ -1,11 +1,13 @@
-"""Fake converters and a worker process for testing the cache (and, later, the daemon).
+"""Fake converters and a worker process for testing the cache and the daemon (injected, never switched on).
 
 The fakes copy the source files (so an entry's size equals the source's), can log each run to a
 file (to count conversions across processes), sleep between files (to be killed mid-way),
-fail, or fill the disk. They are importable top-level callables, so they work across processes.
+fail, or fill the disk; :class:`OrderedCopyConverter` copies shards in the order the daemon asks for.
+They are importable top-level callables, so they work across processes.
 
-Run a worker: ``python -m transformd.cache.testing --root R --src S [--log L] [--delay D]
-[--pause-at PHASE --marker M]``; it prints one JSON line ``{"key", "path", "outcome", "pid"}``.
+Run a worker: ``python -m tests.support.fakes --root R --src S [--log L] [--delay D]
+[--pause-at PHASE --marker M]`` (from the repository root, or with it on ``PYTHONPATH``: :func:`worker_command`);
+it prints one JSON line ``{"key", "path", "outcome", "pid"}``.
 """
 
 from __future__ import annotations
@@ -13,14 +15,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._durable import copy_file
-from .keys import Recipe, iter_source_files
+from transformd._durable import copy_file
+from transformd.cache.keys import Recipe, iter_source_files
+
+if TYPE_CHECKING:
+    from transformd.checkpoint import ShardOrder
+    from transformd.daemon.shards import ConversionOutline
+
+#: The repository root: ``python -m tests.support.X`` runs from here (or with it on ``PYTHONPATH``).
+REPO = Path(__file__).resolve().parents[2]
+
+
+def append_line(path: str | os.PathLike[str], line: str) -> None:
+    """Append ``line`` to ``path`` in one O_APPEND write (runs in several processes are counted exactly)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, f"{line}\n".encode())
+    finally:
+        os.close(fd)
 
 
 def write_source(
@@ -71,11 +90,7 @@ class CopyConverter:
 
     def __call__(self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None]) -> dict[str, Any]:
         if self.log is not None:
-            fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, f"{os.getpid()}\n".encode())
-            finally:
-                os.close(fd)
+            append_line(self.log, f"{os.getpid()}")
         files = list(iter_source_files(Path(src)))
         out.mkdir()
         for done, (rel, path, _) in enumerate(files, 1):
@@ -124,10 +139,76 @@ class FillingConverter:
             os.fsync(f.fileno())
 
 
-def _worker(argv: list[str] | None = None) -> int:
-    from .store import Cache
+class OrderedCopyConverter:
+    """A fake converter: copies the source, the ``*.safetensors`` shards one at a time in the order
+    ``shard_order`` picks (index order without one), sleeping ``delay`` seconds before each and reporting
+    each finished shard (``shard_order.done``); then every other file. ``log``: one line per run."""
 
-    ap = argparse.ArgumentParser(prog="python -m transformd.cache.testing")
+    def __init__(self, delay: float = 0.0, log: str | os.PathLike[str] | None = None):
+        self.delay = delay
+        self.log = None if log is None else os.fspath(log)
+
+    @staticmethod
+    def _shards(src: Path) -> list[str]:
+        return sorted(p.name for p in Path(src).iterdir() if p.suffix == ".safetensors" and not p.name.startswith("."))
+
+    def plan(self, src: Path, recipe: Recipe) -> ConversionOutline:
+        from transformd.daemon.shards import ConversionOutline
+
+        shards = self._shards(src)
+        return ConversionOutline(tuple(shards), None, sum(os.path.getsize(Path(src) / n) for n in shards))
+
+    def __call__(
+        self,
+        src: Path,
+        out: Path,
+        recipe: Recipe,
+        progress: Callable[[Any], None],
+        *,
+        shard_order: ShardOrder | None = None,
+    ) -> dict[str, Any]:
+        if self.log is not None:
+            append_line(self.log, f"{os.getpid()}")
+        src = Path(src)
+        out.mkdir()
+        pending = self._shards(src)
+        total = sum(os.path.getsize(src / n) for n in pending)
+        done = 0
+        order = []
+        while pending:
+            name = shard_order.next(list(pending)) if shard_order is not None else pending[0]
+            pending.remove(name)
+            order.append(name)
+            if self.delay:
+                time.sleep(self.delay)
+            shutil.copyfile(src / name, out / name)
+            with open(out / name, "rb") as f:
+                os.fsync(f.fileno())
+            done += os.path.getsize(out / name)
+            if shard_order is not None:
+                shard_order.done(name, out / name)
+            progress({"shard": name, "bytes_done": done, "bytes_total": total})
+        for dirpath, dirnames, filenames in os.walk(src):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel = Path(dirpath).relative_to(src)
+            for n in filenames:
+                if n.startswith(".") or (rel == Path(".") and n.endswith(".safetensors")):
+                    continue
+                (out / rel).mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(Path(dirpath) / n, out / rel / n)
+        return {"order": order}
+
+
+def worker_command(*args: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of a cache worker process with ``args`` (see the module docstring)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return [sys.executable, "-m", "tests.support.fakes", *args], {**os.environ, "PYTHONPATH": path}
+
+
+def _worker(argv: list[str] | None = None) -> int:
+    from transformd.cache.store import Cache
+
+    ap = argparse.ArgumentParser(prog="python -m tests.support.fakes")
     ap.add_argument("--root", required=True)
     ap.add_argument("--src", required=True)
     ap.add_argument("--log")

@@ -12,7 +12,7 @@ Each producer writes MXFP8 its own way (shared/DESIGN.md, the engine-correctness
 | ``quark_per_block`` | ``weight`` + ``weight_scale`` F8_E8M0 ``[N/R, K/32]`` | ``qscheme: per_block``, ``block_size: [R, 32]`` |
 
 All shapes are multiples of 128, so every replica is loadable by every engine at TP 1 (the partial tiles of
-awkward shapes are covered by test_checkpoint's builder and the kernel tests).
+awkward shapes are covered by tests/support/checkpoints.py and the kernel tests).
 """
 
 from __future__ import annotations

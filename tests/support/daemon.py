@@ -1,4 +1,5 @@
-"""The real daemon in a thread of this process, for tests and benchmarks, and a converter that honours shard order.
+"""Real daemons for tests: in a thread of this process (:class:`DaemonThread`, :class:`Daemons`) or as a process
+(:class:`DaemonProcess`), plus helpers to talk to them.
 
 ::
 
@@ -6,13 +7,16 @@
         with daemon.client() as http:                      # over the unix socket
             http.post("/v1/checkpoints", json={"source": str(models / "m")})
 
-It runs exactly what ``transformd serve`` runs (:func:`.server.open_listeners`, :func:`.app.create_app`,
-uvicorn), on the same sockets, only in a thread instead of the main thread.
+:class:`DaemonThread` runs exactly what ``transformd serve`` runs (:func:`transformd.daemon.server.open_listeners`,
+:func:`transformd.daemon.app.create_app`, uvicorn), on the same sockets, only in a thread instead of the main
+thread; fakes are injected (``converter=``). :class:`Daemons` starts several, each on a socket in its own short
+directory, and stops them all at the end (the ``daemons`` fixture of tests/conftest.py is one per test; a
+module-scoped fixture uses ``with Daemons() as d``).
 
-Test hooks of a daemon *process* (``transformd serve`` in a subprocess, where a test cannot reach into
-the objects): the environment variable :data:`TEST_HOOKS_ENV` (``TRANSFORMD_TEST_HOOKS``), a JSON object,
-is read once by :func:`.app.create_app`; it is off (nothing changes) unless set, and the daemon logs a
-warning when it is on. Never set it in production. Keys, all optional::
+:class:`DaemonProcess` runs ``python -m transformd serve`` in a subprocess, as operators run it. With ``hooks``
+(where a test cannot reach into the objects of another process) it runs ``python -m tests.support.daemon serve
+--hooks JSON ...`` instead: the same flags and the daemon's own :func:`transformd.daemon.server.serve`, with the
+real converter wrapped by :class:`HookedConverter` and the cache's phase hook set. Keys of ``hooks``, all optional::
 
     {"progress_delay_s": 0.02,                      # sleep this long at every progress update of the converter
      "phase_delay_s": {"sealed": 0.3, ...},         # sleep at these phases of the cache's publish (the names of
@@ -20,7 +24,7 @@ warning when it is on. Never set it in production. Keys, all optional::
                                                     # sealed, manifest-written, before-rename, published)
      "log": "/path/conversions.log"}                # append "start|end <key> <pid> <thread> <time>" per converter run
 
-Tests use it to kill a daemon at random points of a slowed-down real conversion and to count how many
+Tests use them to kill a daemon at random points of a slowed-down real conversion and to count how many
 converter runs overlap (``max_concurrent_conversions``).
 """
 
@@ -31,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,25 +44,22 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ..cache import Cache, Recipe
-from .app import Daemon, create_app
-from .server import Listeners, build_server, open_listeners, run_server
-from .settings import Settings, SettingsError
-from .shards import ConversionOutline, bind_shard_order, plan_of
+from transformd.cache import Cache, Recipe
+from transformd.daemon.app import Daemon, create_app
+from transformd.daemon.server import Listeners, build_server, open_listeners, run_server
+from transformd.daemon.settings import Settings
+from transformd.daemon.shards import ConversionOutline, bind_shard_order, plan_of
+
+from .fakes import REPO, append_line
 
 if TYPE_CHECKING:
-    from ..checkpoint import ShardOrder
-
-#: Test-only environment variable (a JSON object, see the module docstring); unset in production.
-TEST_HOOKS_ENV = "TRANSFORMD_TEST_HOOKS"
+    from transformd.checkpoint import ShardOrder
 
 log = logging.getLogger("transformd.daemon")
 
 
-class TestHooks:
-    """The hooks :data:`TEST_HOOKS_ENV` asks for (see the module docstring)."""
-
-    __test__ = False  # not a pytest test class
+class Hooks:
+    """What a hooked daemon process does besides serving (see the module docstring)."""
 
     def __init__(
         self,
@@ -69,29 +71,10 @@ class TestHooks:
         self.phase_delay_s = {str(k): float(v) for k, v in (phase_delay_s or {}).items()}
         self.log = None if log is None else os.fspath(log)
 
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> TestHooks | None:
-        """The hooks of ``$TRANSFORMD_TEST_HOOKS``; None when unset or empty. Raises SettingsError when malformed."""
-        raw = (os.environ if environ is None else environ).get(TEST_HOOKS_ENV, "")
-        if not raw.strip():
-            return None
-        try:
-            data = json.loads(raw)
-            if not isinstance(data, dict) or set(data) - {"progress_delay_s", "phase_delay_s", "log"}:
-                raise ValueError("expected an object with progress_delay_s, phase_delay_s, log")
-            return cls(**data)
-        except (ValueError, TypeError) as e:
-            raise SettingsError(f"{TEST_HOOKS_ENV} is not a valid JSON hook description: {e}") from None
-
     def write_log(self, event: str, key: str) -> None:
         if self.log is None:
             return
-        line = f"{event} {key} {os.getpid()} {threading.get_ident()} {time.time():.6f}\n"
-        fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        append_line(self.log, f"{event} {key} {os.getpid()} {threading.get_ident()} {time.time():.6f}")
 
     def phase(self, name: str) -> None:
         """The cache's fault hook: sleep at the configured phases."""
@@ -104,9 +87,9 @@ class TestHooks:
 
 
 class HookedConverter:
-    """``inner`` with :class:`TestHooks` applied: slowed progress updates and a start/end log per run."""
+    """``inner`` with :class:`Hooks` applied: slowed progress updates and a start/end log per run."""
 
-    def __init__(self, inner: Any, hooks: TestHooks):
+    def __init__(self, inner: Any, hooks: Hooks):
         self.inner = inner
         self.hooks = hooks
 
@@ -141,78 +124,55 @@ class HookedConverter:
         return f"HookedConverter({self.inner!r})"
 
 
-def apply_test_hooks(converter: Any, cache: Cache) -> Any:
-    """``converter`` wrapped as ``$TRANSFORMD_TEST_HOOKS`` asks (and the cache's phase hook set); unchanged if unset."""
-    hooks = TestHooks.from_env()
-    if hooks is None:
-        return converter
-    log.warning("%s is set: test hooks are active (%s); never use this in production", TEST_HOOKS_ENV,
-                os.environ[TEST_HOOKS_ENV])
-    if hooks.phase_delay_s:
-        cache._fault_hook = hooks.phase
-    return hooks.wrap(converter)
+class Daemons:
+    """Real daemons started by one test (or module); a context manager that stops them all on exit."""
 
+    def __init__(self) -> None:
+        self._daemons: list[DaemonThread] = []
+        self._runs: list[Path] = []
 
-class OrderedCopyConverter:
-    """A fake converter: copies the source, the ``*.safetensors`` shards one at a time in the order
-    ``shard_order`` picks (index order without one), sleeping ``delay`` seconds before each and reporting
-    each finished shard (``shard_order.done``); then every other file. ``log``: one line per run."""
-
-    def __init__(self, delay: float = 0.0, log: str | os.PathLike[str] | None = None):
-        self.delay = delay
-        self.log = None if log is None else os.fspath(log)
-
-    @staticmethod
-    def _shards(src: Path) -> list[str]:
-        return sorted(p.name for p in Path(src).iterdir() if p.suffix == ".safetensors" and not p.name.startswith("."))
-
-    def plan(self, src: Path, recipe: Recipe) -> ConversionOutline:
-        shards = self._shards(src)
-        return ConversionOutline(tuple(shards), None, sum(os.path.getsize(Path(src) / n) for n in shards))
-
-    def __call__(
+    def start(
         self,
-        src: Path,
-        out: Path,
-        recipe: Recipe,
-        progress: Callable[[Any], None],
+        converter: Any = None,
         *,
-        shard_order: ShardOrder | None = None,
-    ) -> dict[str, Any]:
-        if self.log is not None:
-            fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, f"{os.getpid()}\n".encode())
-            finally:
-                os.close(fd)
-        src = Path(src)
-        out.mkdir()
-        pending = self._shards(src)
-        total = sum(os.path.getsize(src / n) for n in pending)
-        done = 0
-        order = []
-        while pending:
-            name = shard_order.next(list(pending)) if shard_order is not None else pending[0]
-            pending.remove(name)
-            order.append(name)
-            if self.delay:
-                time.sleep(self.delay)
-            shutil.copyfile(src / name, out / name)
-            with open(out / name, "rb") as f:
-                os.fsync(f.fileno())
-            done += os.path.getsize(out / name)
-            if shard_order is not None:
-                shard_order.done(name, out / name)
-            progress({"shard": name, "bytes_done": done, "bytes_total": total})
-        for dirpath, dirnames, filenames in os.walk(src):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            rel = Path(dirpath).relative_to(src)
-            for n in filenames:
-                if n.startswith(".") or (rel == Path(".") and n.endswith(".safetensors")):
-                    continue
-                (out / rel).mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(Path(dirpath) / n, out / rel / n)
-        return {"order": order}
+        cache_dir: str | Path,
+        allow_roots: list[Path] | tuple[Path, ...] = (),
+        prefix: str = "td-",
+        socket_name: str = "td.sock",
+        platform: Any = None,
+        **settings: Any,
+    ) -> DaemonThread:
+        """A started daemon with ``settings`` (as ``transformd serve`` takes them) over these defaults: a socket
+        ``socket_name`` in a new short directory (``settings["socket"]`` replaces it, None for TCP only), the CPU,
+        log level warning. ``converter``: the cache's converter (default: the real one); ``platform``: the GPU
+        that target ``auto`` decides for (default: detected)."""
+        run = short_tempdir(prefix)
+        self._runs.append(run)
+        base: dict[str, Any] = {
+            "socket": run / socket_name,
+            "cache_dir": cache_dir,
+            "allow_roots": list(allow_roots),
+            "device": "cpu",
+            "log_level": "warning",
+        }
+        base.update(settings)
+        daemon = DaemonThread(Settings(**base), converter=converter, platform=platform).start()
+        self._daemons.append(daemon)
+        return daemon
+
+    def close(self) -> None:
+        for daemon in self._daemons:
+            daemon.stop()
+        for run in self._runs:
+            shutil.rmtree(run, ignore_errors=True)
+        self._daemons.clear()
+        self._runs.clear()
+
+    def __enter__(self) -> Daemons:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class DaemonThread:
@@ -351,8 +311,8 @@ class DaemonProcess:
     """``python -m transformd serve ...`` in a subprocess (the real daemon, as operators run it), for tests.
 
     ``start()`` waits until ``/healthz`` answers over the unix socket; ``kill()`` sends SIGKILL, ``stop()``
-    SIGTERM. Standard error goes to ``log_path`` (read it with :meth:`log_text`). ``hooks``: the
-    :data:`TEST_HOOKS_ENV` object (see the module docstring).
+    SIGTERM. Standard error goes to ``log_path`` (read it with :meth:`log_text`). ``hooks``: a :class:`Hooks`
+    object's keys; the process is then ``python -m tests.support.daemon serve`` (see the module docstring).
     """
 
     def __init__(
@@ -366,11 +326,10 @@ class DaemonProcess:
         env: dict[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
     ):
-        import sys
-
         self.socket_path = Path(socket_path)
         self.cache_dir = Path(cache_dir)
-        self.cmd = [sys.executable, "-m", "transformd", "serve", "--socket", os.fspath(socket_path), "--cache-dir",
+        serve = ["tests.support.daemon", "serve", "--hooks", json.dumps(hooks)] if hooks else ["transformd", "serve"]
+        self.cmd = [sys.executable, "-m", *serve, "--socket", os.fspath(socket_path), "--cache-dir",
                     os.fspath(cache_dir), "--device", "cpu", "--log-level", "warning"]
         for root in allow_roots:
             self.cmd += ["--allow-root", os.fspath(root)]
@@ -378,7 +337,7 @@ class DaemonProcess:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFORMD_")}
         self.env.update(env or {})
         if hooks:
-            self.env[TEST_HOOKS_ENV] = json.dumps(hooks)
+            self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH", "")) if p)
         self.log_path = Path(log_path) if log_path is not None else self.socket_path.with_suffix(".log")
         self.proc: Any = None
 
@@ -459,3 +418,32 @@ class DaemonProcess:
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.stop(10)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """``python -m tests.support.daemon serve --hooks JSON [transformd serve's flags]``: the daemon's own
+    :func:`transformd.daemon.server.serve` with the real converter wrapped by :class:`HookedConverter`."""
+    import argparse
+
+    from transformd.cli.serve import _settings_from_args, add_commands
+    from transformd.daemon.server import serve
+    from transformd.daemon.shards import TransformdShardConverter
+
+    parser = argparse.ArgumentParser(prog="python -m tests.support.daemon")
+    add_commands(parser.add_subparsers(dest="command", required=True)).add_argument(
+        "--hooks", required=True, type=json.loads, help="a JSON object of Hooks' keyword arguments"
+    )
+    args = parser.parse_args(argv)
+    settings = _settings_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hooks = Hooks(**args.hooks)
+    converter = TransformdShardConverter(settings.device)
+    cache = Cache(settings.cache_dir, budget_bytes=settings.cache_budget, converter=converter, device=settings.device)
+    if hooks.phase_delay_s:
+        cache._fault_hook = hooks.phase
+    log.warning("test hooks are active: %s", args.hooks)
+    return serve(settings, converter=hooks.wrap(converter), cache=cache)
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())
