@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from transformd.cache import Cache, Recipe
-from transformd.daemon.app import Daemon, create_app
+from transformd.daemon.app import create_app
+from transformd.daemon.state import Daemon
 from transformd.daemon.server import Listeners, build_server, open_listeners, run_server
 from transformd.daemon.settings import Settings
 from transformd.daemon.shards import ConversionOutline, bind_shard_order, plan_of

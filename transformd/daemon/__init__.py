@@ -22,7 +22,7 @@ Endpoints (JSON; errors are ``{"error": {"status", "code", "message"}}``, codes 
 The OpenAPI schema is served at ``/openapi.json`` (and ``/docs``).
 
 Modules (server): :mod:`.settings` (flags and ``TRANSFORMD_*``), :mod:`.server` (sockets, uvicorn),
-:mod:`.app` (routes), :mod:`.service` (jobs, queue, workers), :mod:`.shards` (shard priority and the
+:mod:`.app` (routes), :mod:`.state` (what the routes share: callers, grants, gauges), :mod:`.service` (jobs, queue, workers), :mod:`.shards` (shard priority and the
 converter adapter), :mod:`.files` (tensor tables), :mod:`.views` (state bodies), :mod:`.paths`
 (allowed roots), :mod:`.middleware` (token, body limit), :mod:`.errors`, :mod:`.metrics`,
 :mod:`.schemas`. A daemon in a thread, for tests: tests/support/daemon.py.

@@ -8,14 +8,11 @@ service's threads. See :mod:`transformd.daemon` for the endpoints and :mod:`.err
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
@@ -27,7 +24,6 @@ from fastapi.responses import JSONResponse, Response
 from ..cache import Cache, EntryLeasedError, EntryNotFoundError, Recipe, cache_key
 from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
-from ..checkpoint import readiness_of_dir
 from ..engines import Platform, choose_target, detect_platform
 from ..hub import HubResolver
 from .docs import install_docs
@@ -36,7 +32,7 @@ from .files import EntryIndex
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
-from .peers import SCOPE_KEY, Caller, denied
+from .peers import Caller, denied
 from .schemas import (
     CacheModel,
     CheckpointInfo,
@@ -51,117 +47,17 @@ from .schemas import (
 from .service import ConversionService
 from .settings import Settings
 from .shards import TransformdShardConverter
+from .state import GAUGE_REFRESH_S, Daemon
 from .views import entry_view, foreign_view, job_file, job_files, job_view, passthrough_view
 
 log = logging.getLogger("transformd.daemon")
 
-#: Seconds between two refreshes of the cache size gauges by /metrics.
-GAUGE_REFRESH_S = 2.0
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse} for code in codes}
 
 
-@dataclass
-class Daemon:
-    """Everything the routes share."""
-
-    settings: Settings
-    cache: Cache
-    service: ConversionService
-    entries: EntryIndex
-    metrics: Metrics
-    policy: SourcePolicy
-    device: str
-    platform: Platform
-    gauges_at: float = 0.0
-    #: Engine readiness of published entries, by key (entries never change once published).
-    readiness: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-
-    #: uids that passed the read check for a key (a POST of a source they could read): key -> uids
-    readers: dict[str, set[int]] = dataclasses.field(default_factory=dict)
-    #: the uid whose request started the conversion of a key (it may delete the entry): key -> uid
-    creators: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: repo ids (transformd.hub): the lookups, and the repo id a key was last asked for by (shown by /files)
-    hub: HubResolver | None = None
-    hub_origins: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    _health_limiter: anyio.CapacityLimiter | None = None
-
-    def entry_readiness(self, key: str, path: Path) -> dict[str, Any] | None:
-        """Blocking: readiness of a published entry (from its config and headers), remembered per key; None when
-        the entry is no block-FP8 checkpoint directory (a test converter's output): readiness is a report, never
-        a reason to fail a lookup."""
-        found = self.readiness.get(key)
-        if found is None:
-            try:
-                found = {name: r.as_dict() for name, r in readiness_of_dir(path).items()}
-            except Exception:  # noqa: BLE001 - see above
-                log.debug("no readiness for entry %s", key, exc_info=True)
-                return None
-            if len(self.readiness) > 4096:
-                self.readiness.clear()
-            self.readiness[key] = found
-        return found
-
-    def caller(self, request: Request) -> Caller:
-        """The request's caller: the unix peer's credentials, or the configured identity of TCP token holders."""
-        caller = request.scope.get(SCOPE_KEY)
-        if isinstance(caller, Caller):
-            return caller
-        if request.scope.get("server") and request.scope["server"][1] is not None:  # TCP (the token was checked)
-            return self.settings.tcp_caller()
-        return Caller(-1, frozenset(), None, "unix (credentials unknown)")
-
-    def health_limiter(self) -> anyio.CapacityLimiter:
-        """Threads of /healthz only: its answer never waits behind other work."""
-        if self._health_limiter is None:
-            self._health_limiter = anyio.CapacityLimiter(4)
-        return self._health_limiter
-
-    def is_admin(self, caller: Caller) -> bool:
-        return caller.uid in self.settings.admins()
-
-    def grant(self, key: str, caller: Caller) -> None:
-        uids = self.readers.setdefault(key, set())
-        if len(uids) < 4096:
-            uids.add(caller.uid)
-
-    def may_see(self, key: str, caller: Caller) -> bool | None:
-        """True when ``caller`` may be served ``key`` without another check; None: check the source (blocking)."""
-        if caller.uid == 0 or self.is_admin(caller) or caller.uid in self.readers.get(key, ()):
-            return True
-        return None
-
-    def check_source_of(self, key: str, caller: Caller) -> bool:
-        """Blocking: whether ``caller`` could read the source this entry (or job) was made from."""
-        job = self.service.job(key)
-        source: str | None = str(job.source) if job is not None else None
-        if source is None:
-            info = self.entries.info(key)
-            source = info.source if info is not None else None
-        if not source:
-            return False
-        try:
-            with self.cache.open_source(source) as tree:
-                ok = denied(caller, tree.facts()) is None
-        except Exception:  # noqa: BLE001 - a source that cannot be opened proves nothing: refuse
-            return False
-        if ok:
-            self.grant(key, caller)
-        return ok
-
-    def refresh_gauges(self) -> None:
-        """Blocking: scan the entries for the size gauges."""
-        usage = self.cache.usage()
-        self.metrics.cache_bytes.set(usage.used_bytes)
-        self.metrics.cache_budget.set(usage.budget_bytes)
-        self.gauges_at = time.monotonic()
-
-
-# Path parameters as the OpenAPI schema documents them. The patterns are documentation only (json_schema_extra):
-# the handlers check them (check_key, check_file_name, LEASE_ID_RE) and answer with an error that says what is
-# wrong, which FastAPI's own pattern validation would not.
 KeyParam = Annotated[
     str,
     FastApiPath(
