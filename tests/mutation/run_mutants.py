@@ -4,10 +4,10 @@ Each mutant (:data:`MUTANTS`) replaces one exact piece of source text in a tempo
 ``tests/`` (the working tree is never touched), then runs the test files that should catch it there
 (``python -m pytest -x -q FILES``, with the copy first on ``PYTHONPATH``). A mutant is *killed* when the tests
 fail and *survives* when they pass; a survivor is either a hole in the tests or a change the contract allows
-(its ``note`` says which). The modules covered are the ones that decide bytes and trust: ``formats.py``, the host
-code of ``kernels.py``, ``reference.py``, ``cache/keys.py``, the source policy (``api/paths.py``) and the publish
-paths (``checkpoint.py`` staging/publish, ``cache/store.py`` seal/publish, ``cache/manifest.py``,
-``safetensors_io.py``'s writer).
+(its ``note`` says which). The modules covered are the ones that decide bytes and trust: ``formats.py`` and
+``mx.py``, the host code of ``kernels.py``, ``reference.py``, ``cache/keys.py``, the source policy
+(``cache/securefs.py``, ``daemon/paths.py``) and the publish paths (``_durable.py``, ``checkpoint/convert.py``,
+``cache/store.py`` seal/publish, ``cache/manifest.py``, ``safetensors_io.py``'s writer).
 
 The GPU-only mutants (the PTX kernel, the ptx/portable choice) can only be caught on CPU by
 tests/test_gpu_record.py's digest check. When the copy has no tests/gpu/last_run.json, the runner writes one that
@@ -64,23 +64,23 @@ def m(id: str, file: str, old: str, new: str, tests: list[str], **kw) -> Mutant:
 
 
 MUTANTS: list[Mutant] = [
-    # -- formats.py ------------------------------------------------------------------------------------------------
+    # -- formats.py, mx.py ----------------------------------------------------------------------------------------
     m("tile-grid-off-by-one", "transformd/formats.py", "return -(-n // TILE), -(-k // TILE)",
       "return n // TILE + 1, k // TILE + 1", KERNEL_TESTS),
-    m("k-multiple-of-32-unchecked", "transformd/formats.py", "    if k % MX_BLOCK:\n", "    if False:\n", KERNEL_TESTS),
-    m("nan-code-unchecked", "transformd/formats.py", "if bool(nan_code.any()):", "if False:", KERNEL_TESTS),
-    m("e8m0-nan-unchecked", "transformd/formats.py", "nan_scale = s == E8M0_NAN", "nan_scale = s == 0xFE",
+    m("k-multiple-of-32-unchecked", "transformd/mx.py", "    if k % MX_BLOCK:\n", "    if False:\n", KERNEL_TESTS),
+    m("nan-code-unchecked", "transformd/mx.py", "if bool(nan_code.any()):", "if False:", KERNEL_TESTS),
+    m("e8m0-nan-unchecked", "transformd/mx.py", "nan_scale = s == E8M0_NAN", "nan_scale = s == 0xFE",
       KERNEL_TESTS),
-    m("e8m0-subnormal-scale", "transformd/formats.py", "torch.full_like(s, 1 << 22)", "torch.full_like(s, 0)",
+    m("e8m0-subnormal-scale", "transformd/mx.py", "torch.full_like(s, 1 << 22)", "torch.full_like(s, 0)",
       KERNEL_TESTS),
     m("fnuz-dtype-swapped", "transformd/formats.py",
       "return torch.float8_e4m3fnuz if self is Target.FNUZ else torch.float8_e4m3fn",
       "return torch.float8_e4m3fn", KERNEL_TESTS),
     # -- kernels.py: host code (the wrapper) and the kernels' source --------------------------------------------------
     m("kernel-fnuz-flag-dropped", "transformd/kernels.py", "FNUZ=target is Target.FNUZ,", "FNUZ=False,",
-      KERNEL_TESTS),
+      KERNEL_TESTS, count=-1),
     m("kernel-mode-flag-inverted", "transformd/kernels.py", "EXACT=scale_mode is ScaleMode.EXACT,",
-      "EXACT=scale_mode is ScaleMode.AMAX,", KERNEL_TESTS),
+      "EXACT=scale_mode is ScaleMode.AMAX,", KERNEL_TESTS, count=-1),
     m("kernel-status-not-checked", "transformd/kernels.py", "if check and bool(status.any()):", "if False:",
       KERNEL_TESTS),
     m("kernel-2d-not-squeezed", "transformd/kernels.py", "return out_codes[0], out_scale[0]",
@@ -120,24 +120,21 @@ MUTANTS: list[Mutant] = [
       KEY_TESTS),
     m("key-hashes-hidden-files", "transformd/cache/keys.py", 'return name.startswith(".")', "return False",
       KEY_TESTS),
-    # -- api/paths.py: the source policy ----------------------------------------------------------------------------
-    m("paths-string-prefix", "transformd/api/paths.py",
+    # -- the source policy: cache/securefs.py, daemon/paths.py ----------------------------------------------------------------------------
+    m("paths-string-prefix", "transformd/cache/securefs.py",
       "return path == root or path.startswith(root.rstrip(os.sep) + os.sep)", "return path.startswith(root)",
       PATH_TESTS),
-    m("paths-symlinks-unchecked", "transformd/api/paths.py", "                    if not self.allowed(real):\n",
-      "                    if False:\n", PATH_TESTS),
-    m("paths-source-not-resolved", "transformd/api/paths.py", "real = os.path.realpath(source)",
-      "real = os.path.abspath(source)", PATH_TESTS),
-    m("paths-roots-not-resolved", "transformd/api/paths.py", "tuple(os.path.realpath(os.fspath(r)) for r in roots)",
+    m("paths-opened-file-outside-unchecked", "transformd/cache/securefs.py",
+      "    if roots is not None and not any(within(real, r) for r in roots):\n        raise _outside(shown, roots)",
+      "    if False:\n        raise _outside(shown, roots)", PATH_TESTS),
+    m("paths-roots-not-resolved", "transformd/daemon/paths.py", "tuple(os.path.realpath(os.fspath(r)) for r in roots)",
       "tuple(os.path.abspath(os.fspath(r)) for r in roots)", PATH_TESTS),
-    m("paths-missing-outside-probed", "transformd/api/paths.py",
-      "        real = os.path.realpath(source)\n        if not self.allowed(real):",
-      "        real = os.path.realpath(source)\n        if os.path.exists(real) and not self.allowed(real):",
-      PATH_TESTS),
+    m("paths-missing-outside-probed", "transformd/cache/securefs.py",
+      "            real = os.path.realpath(shown)\n            if not any(within(real, r) for r in roots):",
+      "            real = os.path.realpath(shown)\n            if os.path.exists(real) and not any(within(real, r) "
+      "for r in roots):", PATH_TESTS),
     # -- the publish paths: fsync and rename ---------------------------------------------------------------------------
     m("fsync-noop-everywhere", "*", "os.fsync(", "(lambda fd: None)(", DURABILITY_TESTS, count=-1),
-    m("seal-file-fsync-noop", "transformd/cache/store.py", "                os.fsync(fd)\n                size =",
-      "                size =", DURABILITY_TESTS),
     m("seal-dir-fsync-dropped", "transformd/cache/store.py", "            os.chmod(d, 0o555)\n            fsync_path(d)",
       "            os.chmod(d, 0o555)", DURABILITY_TESTS),
     m("manifest-fsync-noop", "transformd/cache/manifest.py", "            os.fsync(fd)\n", "", DURABILITY_TESTS),
@@ -149,20 +146,20 @@ MUTANTS: list[Mutant] = [
       '            self._hook("published")', DURABILITY_TESTS),
     m("writer-fsync-noop", "transformd/safetensors_io.py", "            os.fsync(self._file.fileno())\n", "",
       DURABILITY_TESTS),
-    m("checkpoint-synced-file-fsync-noop", "transformd/checkpoint.py",
+    m("checkpoint-synced-file-fsync-noop", "transformd/_durable.py",
       "        os.fsync(fd)\n        return os.fstat(fd).st_size", "        return os.fstat(fd).st_size",
       DURABILITY_TESTS),
-    m("checkpoint-json-fsync-noop", "transformd/checkpoint.py", "        f.flush()\n        os.fsync(f.fileno())\n",
+    m("checkpoint-json-fsync-noop", "transformd/_durable.py", "        f.flush()\n        os.fsync(f.fileno())\n",
       "        f.flush()\n", DURABILITY_TESTS),
-    m("checkpoint-tree-fsync-dropped", "transformd/checkpoint.py", "        _fsync_tree(staging)\n", "",
+    m("checkpoint-tree-fsync-dropped", "transformd/checkpoint/convert.py", "        _durable.fsync_dirs(staging)\n", "",
       DURABILITY_TESTS),
-    m("checkpoint-tree-fsync-parents-first", "transformd/checkpoint.py", "os.walk(path, topdown=False)",
+    m("checkpoint-tree-fsync-parents-first", "transformd/_durable.py", "os.walk(path, topdown=False)",
       "os.walk(path, topdown=True)", DURABILITY_TESTS),
-    m("checkpoint-parent-fsync-dropped", "transformd/checkpoint.py",
-      "        raise\n    _fsync_dir(out.parent)\n", "        raise\n", DURABILITY_TESTS),
-    m("checkpoint-staging-kept-on-error", "transformd/checkpoint.py",
-      "    except BaseException:\n        shutil.rmtree(staging, ignore_errors=True)\n        raise",
-      "    except BaseException:\n        raise", ["tests/test_checkpoint.py"]),
+    m("checkpoint-parent-fsync-dropped", "transformd/_durable.py",
+      "        raise\n    fsync_path(out.parent)\n", "        raise\n", DURABILITY_TESTS),
+    m("checkpoint-staging-kept-on-error", "transformd/checkpoint/convert.py",
+      "    except BaseException as exc:\n        shutil.rmtree(staging, ignore_errors=True)\n",
+      "    except BaseException as exc:\n", ["tests/test_checkpoint.py"]),
 ]
 
 

@@ -1,6 +1,6 @@
-"""The transformd daemon's HTTP API (server side) and its client.
+"""The transformd daemon: its HTTP API, server side (the client is :mod:`transformd.client`).
 
-Run it with ``transformd serve`` (see :mod:`.cli`, :mod:`.settings`). It listens on a unix socket
+Run it with ``transformd serve`` (see :mod:`transformd.cli.serve`, :mod:`.settings`). It listens on a unix socket
 (0660) by default; TCP (``--port``) requires a bearer token. Sources must lie under an allowed root.
 
 Endpoints (JSON; errors are ``{"error": {"status", "code", "message"}}``, codes in :mod:`.errors`)::

@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..cache.securefs import within
 from .errors import ApiError
 
 #: Longest source path accepted.
@@ -31,10 +32,6 @@ def check_file_name(name: str) -> str:
     return name
 
 
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
 class SourcePolicy:
     """The allowed roots and the checks every source goes through."""
 
@@ -45,7 +42,7 @@ class SourcePolicy:
         return ", ".join(self.roots) if self.roots else "(none)"
 
     def allowed(self, real: str) -> bool:
-        return any(_within(real, root) for root in self.roots)
+        return any(within(real, root) for root in self.roots)
 
     def check_syntax(self, source: str) -> str:
         """The source string if it is a plausible absolute path; a 400 error otherwise. Touches nothing."""
