@@ -1,4 +1,4 @@
-"""Unit tests of the daemon's source policy (transformd/api/paths.py): which paths resolve inside the allowed roots.
+"""Unit tests of the daemon's source policy (transformd/daemon/paths.py): which paths resolve inside the allowed roots.
 
 Each case is a path an attacker could send, and the one answer the policy must give. The layout under ``tmp``::
 

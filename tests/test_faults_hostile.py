@@ -16,7 +16,7 @@ Symlink policy (tested below): the library and the CLI follow symlinks wherever 
 snapshots need (their files link to ``../../blobs/``); they read with the invoking user's own permissions. The
 index may only name plain file names in the checkpoint directory (no ``/``, no ``..``, no absolute path), so a
 checkpoint cannot redirect reads by name. Confining what a client can make the *daemon* read is the daemon's job:
-``transformd/api/paths.py`` (``SourcePolicy``) resolves every symlink of a source against the allowed roots.
+``transformd/cache/securefs.py`` (every source file opened and checked against the allowed roots, symlinks resolved).
 
 The fuzzing half drives :func:`read_header` and the index/config parsing of :func:`plan_conversion` with
 hypothesis (derandomized, no example database): arbitrary bytes, random JSON structures, mutated valid files

@@ -169,7 +169,7 @@ def test_sample_exact_vs_amax(sample: Path, target: str):
 
 
 def _convert_dir(src: Path, out: Path, target: str, scale_mode: str) -> Path:
-    """What checkpoint.py will write, built with convert_reference and save_file."""
+    """What transformd.checkpoint will write, built with convert_reference and save_file."""
     out.mkdir()
     index_file = src / "model.safetensors.index.json"
     index = json.loads(index_file.read_text()) if index_file.exists() else None

@@ -176,8 +176,17 @@ class MxFormatError(CheckpointError):
         return MxFormatError(self.problem, tensor=self.tensor or tensor, file=self.file or file)
 
 
-#: Class names of the errors that mean "the checkpoint itself is invalid", also when another process failed on it.
-INVALID_INPUT_TYPES = frozenset({"MxFormatError", "CheckpointError", "SourceError"})
+def is_invalid_input(error_type: str | None) -> bool:
+    """Whether the error class named ``error_type`` (as a failure record keeps it: another process failed on the
+    checkpoint) means the checkpoint itself is the problem: an :class:`InvalidCheckpointError` or a
+    :class:`SourceError`, or a leaf of either defined anywhere."""
+    todo: list[type[BaseException]] = [InvalidCheckpointError, SourceError]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == error_type:
+            return True
+        todo.extend(cls.__subclasses__())
+    return False
 
 
 class ConversionFailedError(TransformdError):
@@ -197,13 +206,13 @@ class ConversionFailedError(TransformdError):
         self.key, self.error_type, self.detail = key, error_type, detail
 
     def api_status(self) -> int:
-        return 422 if self.error_type in INVALID_INPUT_TYPES else 500
+        return 422 if is_invalid_input(self.error_type) else 500
 
     def api_code(self) -> str:
-        return "invalid_checkpoint" if self.error_type in INVALID_INPUT_TYPES else self.code
+        return "invalid_checkpoint" if is_invalid_input(self.error_type) else self.code
 
     def api_message(self) -> str:
-        return f"invalid checkpoint: {self.detail}" if self.error_type in INVALID_INPUT_TYPES else str(self)
+        return f"invalid checkpoint: {self.detail}" if is_invalid_input(self.error_type) else str(self)
 
 
 class CacheError(TransformdError):

@@ -20,7 +20,7 @@ and commit the file. It checks, on the device:
 The result file records the device, the versions, pass/fail counts, the first failures, and the sha256 of the
 device code it ran (:data:`GPU_SOURCES`). tests/test_gpu_record.py fails when those sources change after the
 recorded run (or the record shows failures, a dry run, or a missing variant), so GPU code cannot change unseen.
-``checkpoint.py``'s device paths (per-GPU worker threads, pinned buffers) are exercised here through
+``transformd/checkpoint/``'s device paths (per-GPU worker threads, pinned buffers) are exercised here through
 ``convert_checkpoint`` but are not part of the digest: that module changes often for host-only reasons, and the
 byte-for-byte comparison with the CPU conversion in CI's own tests covers its output.
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..cache import ConversionStatus
 from ..safetensors_io import CheckpointError
-from ..errors import INVALID_INPUT_TYPES
+from ..errors import is_invalid_input
 from .errors import ApiError
 from .files import EntryIndex, EntryInfo, file_object
 from ..progress import Progress
@@ -94,7 +94,7 @@ def foreign_view(status: ConversionStatus) -> dict[str, Any] | None:
         if status.updated_at is not None and time.time() - status.updated_at > FINISHED_TTL_S:
             return None
         out = _base(status.key, "failed")
-        invalid = status.error_type in INVALID_INPUT_TYPES
+        invalid = is_invalid_input(status.error_type)
         err = ApiError(
             422 if invalid else 500,
             "invalid_checkpoint" if invalid else "conversion_failed",
