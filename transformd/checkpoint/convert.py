@@ -108,7 +108,8 @@ def convert_checkpoint(
     _durable.remove_leftovers(out)
     _check_out(src, out, overwrite)
     plan = plan_conversion(src, select=select)
-    check_engine(plan_readiness(plan, target), engine, src)
+    report = plan_readiness(plan, target)
+    check_engine(report, engine, src)
     needed = output_bytes(plan, target)
     _check_free_space(out, needed)
     try:
@@ -122,7 +123,7 @@ def convert_checkpoint(
     try:
         result = write_checkpoint(
             plan, staging, target=target, scale_mode=scale_mode, devices=devices, progress=progress,
-            chunk_bytes=chunk_bytes, host_memory_bytes=host_memory_bytes, shard_order=shard_order,
+            chunk_bytes=chunk_bytes, host_memory_bytes=host_memory_bytes, shard_order=shard_order, readiness=report,
         )
         _durable.fsync_dirs(staging)
         _durable.publish(staging, out, overwrite)
@@ -149,12 +150,14 @@ def write_checkpoint(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES,
     shard_order: ShardOrder | None = None,
+    readiness: dict[str, EngineReadiness] | None = None,
 ) -> ConversionResult:
     """Write the conversion of ``plan`` into the directory ``out`` (created when missing; must be empty).
 
     Every file is fsynced once, by the stage that wrote it; the directories are not, and nothing is renamed:
     the caller publishes ``out`` (and removes it on an error). See :func:`convert_checkpoint` for the
-    arguments; ``devices`` defaults to ``auto``'s choice.
+    arguments; ``devices`` defaults to ``auto``'s choice; ``readiness``: :func:`plan_readiness` of ``plan`` when the
+    caller computed it already (to check an engine before writing).
     """
     started = time.monotonic()
     target, scale_mode = Target(target), ScaleMode(scale_mode)
@@ -176,7 +179,7 @@ def write_checkpoint(
         scale_mode=scale_mode.value,
         device=",".join(str(d) for d in devices),
         host_buffer_bytes=run.tally.buffers_peak,
-        readiness=plan_readiness(plan, target),
+        readiness=readiness if readiness is not None else plan_readiness(plan, target),
         tensors=plan.tensor_count,
         data_bytes=plan.data_bytes,
     )

@@ -47,8 +47,11 @@ from .schemas import (
 from .service import ConversionService
 from .settings import Settings
 from .shards import TransformdShardConverter
-from .state import GAUGE_REFRESH_S, Daemon
+from .state import Daemon
 from .views import entry_view, foreign_view, job_file, job_files, job_view, passthrough_view
+
+#: Seconds between two refreshes of the cache size gauges by /metrics.
+GAUGE_REFRESH_S = 2.0
 
 log = logging.getLogger("transformd.daemon")
 

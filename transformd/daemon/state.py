@@ -27,9 +27,6 @@ from .settings import Settings
 
 log = logging.getLogger("transformd.daemon")
 
-#: Seconds between two refreshes of the cache size gauges by /metrics.
-GAUGE_REFRESH_S = 2.0
-
 
 @dataclass
 class Daemon:
