@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from transformd import cli
+from transformd.sample import write_sample_checkpoint
 
 from .support.checkpoints import O, SHARD_B, assert_converted, default_shards, poke, set_tensor, write_checkpoint
 
@@ -187,6 +188,29 @@ def test_console_entry_point_in_a_process(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["quantization_config"]["transformd"]["target"] == "ocp", "auto: a raw consumer without a GPU"
 
+
+
+def test_a_warm_cache_hit_in_a_process_imports_no_torch(tmp_path: Path) -> None:
+    """The second ``convert --cache-dir`` finds the entry: target auto (the platform probe), the engine check
+    (the plan), the readiness report and the summary read headers only, so the process never pays for torch,
+    triton or numpy (seconds), while the first one really converts."""
+    src, root = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2), tmp_path / "cache"
+    for f in src.iterdir():  # older than the stat cache's racy window (a file just written is hashed again)
+        os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    probe = ("import sys, runpy\nsys.argv = ['transformd', *sys.argv[1:]]\ntry:\n runpy.run_module('transformd', "
+             "run_name='__main__')\nfinally:\n print(sorted({m.split('.')[0] for m in sys.modules} & "
+             "{'torch', 'triton', 'numpy', 'safetensors'}), file=sys.stderr)")
+    runs = []
+    for _ in range(2):
+        cmd = [sys.executable, "-c", probe, "convert", str(src), "--cache-dir", str(root), "--engine", "vllm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        runs.append(done)
+    cold, warm = runs
+    assert "'torch'" in cold.stderr.splitlines()[-1] and "transformd: converted " in cold.stderr
+    assert warm.stdout == cold.stdout and "found in the cache" in warm.stderr
+    assert warm.stderr.splitlines()[-1] == "[]", warm.stderr
 
 def test_every_option_and_argument_has_help() -> None:
     """`transformd X --help` explains every option (sample, inspect SRC OUT, ...), demo says it starts a daemon and

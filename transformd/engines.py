@@ -1,7 +1,6 @@
 """Who consumes the output: engine profiles, the platform, the target ``auto`` picks, and engine readiness.
 
-No torch at import time (the client and ``transformd inspect`` use it); :func:`detect_platform` imports torch
-only when it is called.
+No torch (the client and ``transformd inspect`` use it); the platform probe is :mod:`transformd.platform`.
 
 **Target ``auto``** (shared/DESIGN.md, "Targets"): vLLM, SGLang and transformers allocate block-FP8 weights as
 ``float8_e4m3fn`` and normalise to FNUZ themselves on gfx94x, so they get ``ocp`` everywhere; ``raw``
@@ -27,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .platform import Platform, detect_platform
 from .quant_config import FP8_DTYPES
 from .quant_config import TILE as BLOCK
 
@@ -84,44 +84,6 @@ class Engine(str, enum.Enum):
 TARGET_CHOICES = ("auto", "fnuz", "ocp")
 #: The engines the readiness report covers.
 CHECKED_ENGINES = (Engine.VLLM, Engine.SGLANG, Engine.TRANSFORMERS)
-
-
-@dataclass(frozen=True)
-class Platform:
-    """The accelerator the daemon or the CLI converts for."""
-
-    vendor: str  #: "nvidia", "amd" or "none"
-    arch: str | None = None  #: "gfx942", "sm_90", ...
-    name: str | None = None
-
-    @property
-    def fnuz(self) -> bool:
-        """gfx94x (MI300X, MI325X): float8 is FNUZ in hardware."""
-        return self.vendor == "amd" and (self.arch or "").startswith("gfx94")
-
-    @property
-    def mx_native(self) -> bool:
-        """MX-scaled matrix instructions: gfx950 (MI355X), NVIDIA compute capability 10.x and later."""
-        if self.vendor == "amd":
-            return (self.arch or "").startswith("gfx95")
-        if self.vendor == "nvidia" and self.arch and self.arch.startswith("sm_"):
-            return int(self.arch[3:]) >= 100
-        return False
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "fnuz": self.fnuz, "mx_native": self.mx_native}
-
-
-def detect_platform() -> Platform:
-    """The first visible GPU (through torch, imported here), or ``none``."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return Platform("none")
-    props = torch.cuda.get_device_properties(0)
-    if getattr(torch.version, "hip", None):
-        return Platform("amd", str(getattr(props, "gcnArchName", "")).split(":")[0] or None, props.name)
-    return Platform("nvidia", f"sm_{props.major}{props.minor}", props.name)
 
 
 def choose_target(target: str, engine: Engine | str | None, platform: Platform) -> tuple[str | None, str]:

@@ -79,3 +79,22 @@ def infer_row_block(n: int, scale_rows: int) -> int | None:
 
 def shape_str(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def check_pair_geometry(shape: Sequence[int], scale_shape: Sequence[int], row_block: int = 1) -> None:
+    """Check the shapes of a weight/scale pair: ``[N, K]`` or ``[E, N, K]`` codes, K a multiple of 32, scales
+    ``[..., ceil(N/R), K/32]`` (``row_block`` R rows share one row of scales: 1 for MXFP8, R for Quark's Rx32)."""
+    shape, scale_shape = list(shape), list(scale_shape)
+    if len(shape) not in (2, 3):
+        raise MxFormatError(f"weight has {len(shape)} dimensions {shape}; expected [N, K] or [E, N, K]")
+    k = shape[-1]
+    if k % MX_BLOCK:
+        raise MxFormatError(f"K = {k} (last axis of weight {shape}) is not a multiple of {MX_BLOCK}")
+    if row_block < 1:
+        raise MxFormatError(f"{row_block} rows per scale block; expected at least 1")
+    expected = [*shape[:-2], -(-shape[-2] // row_block), k // MX_BLOCK]
+    if scale_shape != expected:
+        blocks = f"{row_block}x{MX_BLOCK}" if row_block > 1 else f"1x{MX_BLOCK}"
+        raise MxFormatError(
+            f"scale shape {scale_shape} does not match weight shape {shape}; expected {expected} ({blocks} blocks)"
+        )

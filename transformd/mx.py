@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .errors import MxFormatError
-from .formats import E8M0_NAN, MX_BLOCK
+from .formats import E8M0_NAN, MX_BLOCK, check_pair_geometry
 
 #: Dtypes accepted for the weight codes and for the E8M0 scales.
 CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
@@ -27,20 +27,7 @@ def check_pair_shapes(codes: torch.Tensor, scales: torch.Tensor, row_block: int 
         raise MxFormatError(f"weight dtype {_dt(codes.dtype)} is not float8_e4m3fn (or uint8 codes)")
     if scales.dtype not in SCALE_DTYPES:
         raise MxFormatError(f"scale dtype {_dt(scales.dtype)} is not E8M0 (float8_e8m0fnu or uint8)")
-    if codes.dim() not in (2, 3):
-        raise MxFormatError(f"weight has {codes.dim()} dimensions {list(codes.shape)}; expected [N, K] or [E, N, K]")
-    k = codes.shape[-1]
-    if k % MX_BLOCK:
-        raise MxFormatError(f"K = {k} (last axis of weight {list(codes.shape)}) is not a multiple of {MX_BLOCK}")
-    if row_block < 1:
-        raise MxFormatError(f"{row_block} rows per scale block; expected at least 1")
-    expected = [*codes.shape[:-2], -(-codes.shape[-2] // row_block), k // MX_BLOCK]
-    if list(scales.shape) != expected:
-        blocks = f"{row_block}x{MX_BLOCK}" if row_block > 1 else f"1x{MX_BLOCK}"
-        raise MxFormatError(
-            f"scale shape {list(scales.shape)} does not match weight shape {list(codes.shape)}; expected {expected} "
-            f"({blocks} blocks)"
-        )
+    check_pair_geometry(tuple(codes.shape), tuple(scales.shape), row_block)
 
 
 def expand_row_blocks(scales: torch.Tensor, n: int, row_block: int) -> torch.Tensor:

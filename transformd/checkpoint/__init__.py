@@ -66,9 +66,10 @@ file fsynced once; :func:`convert_checkpoint` adds the staging directory and the
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ..errors import CheckpointError
-from .convert import ConversionResult, OutputError, convert_checkpoint, write_checkpoint
-from .pipeline import Progress, ShardOrder, conversion_devices
 from .plan import (
     ConversionPlan,
     MxPair,
@@ -80,21 +81,45 @@ from .plan import (
     readiness_of_dir,
 )
 
+#: name -> module that defines it, imported on first access: planning and engine readiness import no torch (a
+#: warm cache hit never converts), the conversion does.
+_LAZY = {
+    "ConversionResult": ".convert",
+    "OutputError": ".convert",
+    "convert_checkpoint": ".convert",
+    "write_checkpoint": ".convert",
+    "Progress": ".pipeline",
+    "ShardOrder": ".pipeline",
+    "conversion_devices": ".pipeline",
+}
+
 __all__ = [
     "CheckpointError",
     "ConversionPlan",
-    "ConversionResult",
     "MxPair",
-    "OutputError",
-    "Progress",
-    "ShardOrder",
     "ShardPlan",
     "check_engine",
-    "conversion_devices",
-    "convert_checkpoint",
     "output_bytes",
     "plan_conversion",
     "plan_readiness",
     "readiness_of_dir",
-    "write_checkpoint",
+    *sorted(_LAZY),
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transformd.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:
+    from .convert import ConversionResult, OutputError, convert_checkpoint, write_checkpoint
+    from .pipeline import Progress, ShardOrder, conversion_devices

@@ -11,15 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..engines import CHECKED_ENGINES, Engine, EngineReadiness, readiness
 from ..errors import CheckpointError, MxFormatError
-from ..formats import MxFormatError, Target, infer_row_block, tile_grid
-from ..mx import check_pair_shapes
+from ..formats import MxFormatError, Target, check_pair_geometry, infer_row_block, tile_grid
 from ..quant_config import quark_row_block
-from ..safetensors_io import (
-    TORCH_DTYPES,
+from ..safetensors_header import (
     CheckpointError,
     Header,
     TensorInfo,
@@ -338,14 +334,12 @@ def _pair_of(
 
 
 def _check_pair(src: Path, pair: MxPair, tensors: dict[str, tuple[str, TensorInfo]]) -> None:
-    """Shapes and dtypes by the contract's own check, on meta tensors (no data); and no name clash on output."""
-    codes = torch.empty(pair.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
-    scales = torch.empty(pair.scale.shape, dtype=TORCH_DTYPES[pair.scale.dtype], device="meta")
+    """Shapes by the contract's own check (the dtypes made it a pair; no data); and no name clash on output."""
     try:
-        check_pair_shapes(codes, scales, pair.row_block)
+        check_pair_geometry(pair.weight.shape, pair.scale.shape, pair.row_block)
     except MxFormatError as err:
         raise err.located(tensor=pair.weight.name, file=str(src / pair.weight_shard)) from None
-    if codes.numel() == 0:  # the header may declare any number of empty experts; there is nothing to convert
+    if pair.weight.numel == 0:  # the header may declare any number of empty experts; there is nothing to convert
         problem = f"weight {list(pair.weight.shape)} has no elements"
         raise MxFormatError(problem, tensor=pair.weight.name, file=str(src / pair.weight_shard))
     clash = tensors.get(pair.out_scale_name)
