@@ -59,3 +59,40 @@ def test_invalid_checkpoint_leaves_the_cache_empty(tmp_path):
     assert os.listdir(cache.entries_dir) == [] and os.listdir(cache.staging_dir) == []
     st = cache.status(cache.key_for(src))
     assert st.state == "failed" and st.error_type == "CheckpointError"
+
+
+def test_the_converter_gets_ready_while_an_unseen_source_is_hashed(tmp_path, monkeypatch):
+    """A source the cache has not seen is hashed before it is converted: the default converter's ``prepare``
+    (the background import of torch and the kernels, CUDA's start-up) is called once, when the hashing starts,
+    and not at all for a hit or for a source the stat cache knows."""
+    from transformd.cache import TransformdConverter, keys
+
+    src = write_sample_checkpoint(tmp_path / "sample", layers=1, experts=2)
+    for f in src.iterdir():  # older than the stat cache's racy window: remembered once hashed
+        os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
+    events: list[str] = []
+    real_hash = keys.hash_file
+    monkeypatch.setattr(keys, "hash_file", lambda p: events.append("hash") or real_hash(p))
+    monkeypatch.setattr(TransformdConverter, "prepare", lambda self: events.append("prepare"))
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", device="cpu")
+    assert cache.get_or_convert(src, Recipe(target="ocp")).outcome == "converted"
+    assert events[0] == "prepare" and events.count("prepare") == 1 and "hash" in events[1:], events
+    events.clear()
+    assert cache.get_or_convert(src, Recipe(target="ocp")).outcome == "hit"
+    assert cache.get_or_convert(src, Recipe(target="fnuz")).outcome == "converted"
+    assert events == [], "nothing to hash: the stat cache knows every file"
+
+
+def test_the_warm_up_thread_imports_the_conversion_once(monkeypatch):
+    """``prepare`` starts one background thread per process, whatever the number of converters; a conversion
+    joins it before importing anything itself (no two threads import the same modules at once)."""
+    import transformd.cache.converter as converter_module
+
+    started = []
+    monkeypatch.setattr(converter_module, "_warming", None)
+    monkeypatch.setattr(converter_module, "_warm_up", lambda device: started.append(device))
+    a, b = converter_module.TransformdConverter("cpu"), converter_module.TransformdConverter("cpu")
+    a.prepare()
+    b.prepare()
+    converter_module._warming.join()
+    assert started == ["cpu"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,9 +20,31 @@ class Converter(Protocol):
     ``progress(update)`` as it goes (any JSON-able object, a dataclass or a dict). Its return
     value (e.g. a ConversionResult) is summarised into the manifest's ``result``. It raises on
     invalid input; the cache removes everything it wrote.
+
+    A converter may also have a ``prepare()`` method: the cache calls it when it starts hashing a source
+    whose content it does not know yet, so that a slow start-up (imports, a GPU context) overlaps the reads.
     """
 
     def __call__(self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None]) -> Any: ...
+
+
+#: The one thread of this process that imports the conversion's modules ahead of the first conversion.
+_warming: threading.Thread | None = None
+_warming_lock = threading.Lock()
+
+
+def _warm_up(device: str) -> None:
+    """Import torch, triton and the pipeline, and initialise CUDA for a GPU device (seconds of a cold process)."""
+    try:
+        from ..checkpoint import convert  # noqa: F401 - torch, the pipeline, the kernels (triton)
+        from ..convert import resolve_device
+
+        if resolve_device(device).type == "cuda":
+            import torch
+
+            torch.cuda.init()
+    except Exception:  # noqa: BLE001, S110 - the conversion itself meets the same error and reports it
+        pass
 
 
 class TransformdConverter:
@@ -30,6 +53,20 @@ class TransformdConverter:
     def __init__(self, device: str = "auto"):
         self.device = device
 
+    def prepare(self) -> None:
+        """Start importing what the conversion needs in a background thread (once per process).
+
+        The cache calls this when it starts hashing a source it has not seen (a conversion will follow, unless
+        another copy of the same content is cached): the hashing releases the GIL, so the seconds of
+        ``import torch`` and CUDA's start-up pass while the source is read, not after.
+        """
+        global _warming
+        with _warming_lock:
+            if _warming is None:
+                _warming = threading.Thread(target=_warm_up, args=(self.device,), name="transformd-warm-up",
+                                            daemon=True)
+                _warming.start()
+
     def __call__(
         self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None], *, shard_order: Any = None,
         plan: Any = None,
@@ -37,7 +74,9 @@ class TransformdConverter:
         """``shard_order``: a :class:`transformd.checkpoint.ShardOrder` (the daemon's just-in-time shards).
         ``plan``: the :class:`~transformd.checkpoint.ConversionPlan` of the same content (the daemon planned it
         when the request came; the cache checked the content still has the key asked for), read from ``src``."""
-        # imported late: the cache does not need torch code
+        # imported late (the cache does not need torch code), and never beside the warm-up's imports
+        if _warming is not None:
+            _warming.join()
         from ..checkpoint import conversion_devices, plan_conversion, write_checkpoint
 
         if plan is None or plan.select != recipe.select:

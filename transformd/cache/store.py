@@ -420,7 +420,14 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
         expect_key: str | None,
     ) -> Entry:
         t0 = time.monotonic()
-        ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=self.check_fits, known=known)
+        prepare = getattr(converter or self.converter, "prepare", None)
+
+        def before_hashing(source_bytes: int) -> None:
+            self.check_fits(source_bytes)
+            if prepare is not None:  # a conversion will most likely follow: let it get ready while this hashes
+                prepare()
+
+        ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=before_hashing, known=known)
         key = cache_key(ident, recipe)
         if expect_key is not None and key != expect_key:
             raise SourceChangedError(
