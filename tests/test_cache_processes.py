@@ -41,14 +41,25 @@ def _tree(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+def _settled(src: Path, alongside: bool) -> Path:
+    """Alongside: the files aged past the stat cache's racy window (a source written moments ago is hashed
+    first)."""
+    for f in src.iterdir() if alongside else ():
+        os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
+    return src
+
+
 def _assert_clean(root: Path) -> None:
     assert os.listdir(root / "staging") == []
     assert os.listdir(root / "locks") == ["gc.lock"]
     assert os.listdir(root / "trash") == []
 
 
-def test_concurrent_processes_convert_once(tmp_path):
-    src = write_source(tmp_path / "m", shard_bytes=256 * 1024)
+@pytest.mark.parametrize("alongside", [False, True], ids=["hash-first", "hash-alongside"])
+def test_concurrent_processes_convert_once(tmp_path, alongside):
+    """Hash first: the six agree on the key, one converts under its lock. Alongside (converting while hashing,
+    as sources from 256 MiB are): one converts under the source's provisional lock, the others wait for it."""
+    src = _settled(write_source(tmp_path / "m", shard_bytes=256 * 1024), alongside)
     root = tmp_path / "cache"
     log = tmp_path / "conversions.log"
     go = tmp_path / "go"
@@ -67,6 +78,7 @@ def test_concurrent_processes_convert_once(tmp_path):
             str(go),
             "--ready-file",
             str(r),
+            *(["--alongside"] if alongside else []),
         )
         for r in ready
     ]
@@ -91,12 +103,13 @@ def test_concurrent_processes_convert_once(tmp_path):
     _assert_clean(root)
 
 
-def test_sigkill_at_random_points_of_a_conversion(tmp_path):
-    src = write_source(tmp_path / "m", shard_bytes=128 * 1024)
+@pytest.mark.parametrize("alongside", [False, True], ids=["hash-first", "hash-alongside"])
+def test_sigkill_at_random_points_of_a_conversion(tmp_path, alongside):
+    src = _settled(write_source(tmp_path / "m", shard_bytes=128 * 1024), alongside)
     root = tmp_path / "cache"
     rng = random.Random(1234)
     for attempt in range(4):
-        p = _worker(root, src, "--delay", "0.4", "--steps", "8")
+        p = _worker(root, src, "--delay", "0.4", "--steps", "8", *(["--alongside"] if alongside else []))
         _wait_for(
             lambda: (
                 any(n.endswith(".json") for n in os.listdir(root / "staging")) if (root / "staging").exists() else False

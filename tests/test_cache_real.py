@@ -62,9 +62,10 @@ def test_invalid_checkpoint_leaves_the_cache_empty(tmp_path):
 
 
 def test_the_converter_gets_ready_while_an_unseen_source_is_hashed(tmp_path, monkeypatch):
-    """A source the cache has not seen is hashed before it is converted: the default converter's ``prepare``
-    (the background import of torch and the kernels, CUDA's start-up) is called once, when the hashing starts,
-    and not at all for a hit or for a source the stat cache knows."""
+    """A source the cache has not seen is hashed while it is converted (from ``hash_alongside_min_bytes``, 0
+    here): the default converter's ``prepare`` (the background import of torch and the kernels, CUDA's
+    start-up) is called once, before the hashing starts, and not at all for a hit or for a source the stat
+    cache knows."""
     from transformd.cache import TransformdConverter, keys
 
     src = write_sample_checkpoint(tmp_path / "sample", layers=1, experts=2)
@@ -75,6 +76,7 @@ def test_the_converter_gets_ready_while_an_unseen_source_is_hashed(tmp_path, mon
     monkeypatch.setattr(keys, "hash_file", lambda p: events.append("hash") or real_hash(p))
     monkeypatch.setattr(TransformdConverter, "prepare", lambda self: events.append("prepare"))
     cache = Cache(tmp_path / "cache", budget_bytes="1G", device="cpu")
+    cache.hash_alongside_min_bytes = 0
     assert cache.get_or_convert(src, Recipe(target="ocp")).outcome == "converted"
     assert events[0] == "prepare" and events.count("prepare") == 1 and "hash" in events[1:], events
     events.clear()

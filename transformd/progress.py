@@ -238,7 +238,9 @@ def summary(result: Any, where: str, *, how: str = "converted", timings: dict[st
     rate = f", {human_bytes(data / seconds)}/s" if seconds > 0 else ""
     steps = ""
     if timings:
-        named = [(k, timings[k]) for k in ("identify", "convert", "publish") if k in timings]
+        labels = {"identify": "identify", "hash_alongside": "hashed alongside", "convert": "convert",
+                  "publish": "publish"}
+        named = [(label, timings[k]) for k, label in labels.items() if k in timings]
         steps = " (" + ", ".join(f"{k} {v:.1f} s" for k, v in named) + ")" if named else ""
         seconds = float(timings.get("total", seconds))
     counted = f"{tensors} tensors, " if tensors else ""

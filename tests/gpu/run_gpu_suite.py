@@ -15,7 +15,8 @@ and commit the file. It checks, on the device:
 * invalid values (NaN codes, E8M0 0xFF, overflow) refused by each variant with ``MxFormatError``;
 * ``convert_weight`` on host tensors, chunked a few experts at a time, and on device tensors;
 * ``convert_checkpoint`` of the sample checkpoint with ``device="cuda"`` (every visible GPU), byte-identical to the
-  same conversion on the CPU, for both targets.
+  same conversion on the CPU, for both targets;
+* the torch-free platform probe (:mod:`transformd.platform`) against torch's own device 0.
 
 The result file records the device, the versions, pass/fail counts, the first failures, and the sha256 of the
 device code it ran (:data:`GPU_SOURCES`). tests/test_gpu_record.py fails when those sources change after the
@@ -219,6 +220,17 @@ def run(dry_run: bool) -> dict:
     tally.check("convert_checkpoint on the device == on the CPU", lambda: checkpoint(sample))
     for name, make in LAYOUTS.items():  # fused HF-v5 stacks, Quark per_block scales, F8_E8M0 scales, ...
         tally.check(f"convert_checkpoint of the {name} layout on the device == on the CPU", lambda m=make: checkpoint(m))
+
+    def platform_probe() -> None:  # the torch-free probe --target auto uses says what torch says
+        from transformd.platform import detect_platform
+
+        got = detect_platform()
+        if dry_run:
+            return
+        major, minor = torch.cuda.get_device_capability(0)
+        assert (got.vendor, got.arch) == ("nvidia", f"sm_{major}{minor}"), got
+
+    tally.check("platform probe (CUDA driver, no torch) == torch's device 0", platform_probe)
 
     files = source_digests()
     try:

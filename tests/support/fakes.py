@@ -220,8 +220,11 @@ def _worker(argv: list[str] | None = None) -> int:
     ap.add_argument("--marker")
     ap.add_argument("--start-file", help="wait until this file exists before starting")
     ap.add_argument("--ready-file", help="create this file when ready to start (before waiting for --start-file)")
+    ap.add_argument("--alongside", action="store_true", help="convert while hashing whatever the source's size")
     args = ap.parse_args(argv)
     cache = Cache(args.root, budget_bytes=args.budget, converter=CopyConverter(args.log, args.delay, args.steps))
+    if args.alongside:
+        cache.hash_alongside_min_bytes = 0
     if args.pause_at:
 
         def hook(phase: str) -> None:

@@ -355,6 +355,7 @@ def identity_of_tree(
     stat_cache: StatCache | None = None,
     before_hashing: Callable[[int], None] | None = None,
     known: SourceIdentity | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> SourceIdentity:
     """The identity of the files of an opened :class:`SourceTree`, hashing what the stat cache does not know.
 
@@ -368,15 +369,10 @@ def identity_of_tree(
     (remembered in the stat cache under the file's full stat signature); otherwise the id is the BLAKE3 of
     the bytes. Modification times never stand in for content. ``before_hashing(total bytes of the source)`` is
     called once before the first byte is hashed (a size check that may raise: no work before limits).
+    ``cancelled()`` is asked before each file is hashed; true raises :class:`HashingCancelled`.
     """
     src_real = tree.real
-    if not tree.files:
-        raise SourceError(f"source checkpoint directory {tree.src} contains no files")
-    remembered = stat_cache.load(src_real) if stat_cache is not None else {}
-    just_read: dict[str, list[Any]] = {}
-    if known is not None and known.path == Path(src_real):
-        just_read = {rec.name: [*sig, rec.digest] for rec, sig in zip(known.files, known.stats)}  # noqa: B905
-        remembered = {**remembered, **just_read}
+    remembered, just_read = _remembered(tree, stat_cache, known)
     updated: dict[str, list[Any]] = {}
     records: list[FileRecord] = []
     sigs: list[StatSig] = []
@@ -385,7 +381,7 @@ def identity_of_tree(
         rel, st = f.rel, f.st
         sig = _sig(st)
         old = remembered.get(rel)
-        if isinstance(old, list) and len(old) == 6 and tuple(old[:5]) == sig:
+        if _still_valid(old, sig):
             digest = str(old[5])
             if rel not in just_read or st.st_mtime_ns < time.time_ns() - RACY_WINDOW_NS:
                 updated[rel] = old
@@ -393,6 +389,8 @@ def identity_of_tree(
             if before_hashing is not None:
                 before_hashing(sum(x.st.st_size for x in tree.files))
                 before_hashing = None
+            if cancelled is not None and cancelled():
+                raise HashingCancelled(f"hashing {tree.src} was stopped")
             claim = hub_content_id(os.path.join(src_real, rel), src_real, f.real)
             if claim is None:
                 claim = _parse_download_record(tree.read_meta(rel))
@@ -423,6 +421,54 @@ def identity_of_tree(
     if stat_cache is not None and updated != remembered:
         stat_cache.save(src_real, updated)
     return SourceIdentity(tuple(records), Path(src_real), tuple(sigs), hashed_files, hashed_bytes, tree.facts())
+
+
+class HashingCancelled(Exception):
+    """:func:`identity_of_tree` was stopped by its ``cancelled`` callback (the conversion beside it failed)."""
+
+
+def _remembered(
+    tree: SourceTree, stat_cache: StatCache | None, known: SourceIdentity | None
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """What the stat cache and ``known`` say of the tree's files: (all remembered, those of ``known``)."""
+    if not tree.files:
+        raise SourceError(f"source checkpoint directory {tree.src} contains no files")
+    remembered = stat_cache.load(tree.real) if stat_cache is not None else {}
+    just_read: dict[str, list[Any]] = {}
+    if known is not None and known.path == Path(tree.real):
+        just_read = {rec.name: [*sig, rec.digest] for rec, sig in zip(known.files, known.stats)}  # noqa: B905
+        remembered = {**remembered, **just_read}
+    return remembered, just_read
+
+
+def _still_valid(old: Any, sig: StatSig) -> bool:
+    """A remembered ``[*stat signature, digest]`` that still holds for a file of signature ``sig``."""
+    return isinstance(old, list) and len(old) == 6 and tuple(old[:5]) == sig
+
+
+def bytes_to_hash(tree: SourceTree, stat_cache: StatCache | None, known: SourceIdentity | None = None) -> int:
+    """Bytes :func:`identity_of_tree` would read: the files of ``tree`` neither remembered nor in ``known``."""
+    remembered, _ = _remembered(tree, stat_cache, known)
+    return sum(f.st.st_size for f in tree.files if not _still_valid(remembered.get(f.rel), _sig(f.st)))
+
+
+def settled(tree: SourceTree) -> bool:
+    """Whether every file of ``tree`` is older than the racy window (so that the stat cache can remember it)."""
+    limit = time.time_ns() - RACY_WINDOW_NS
+    return all(f.st.st_mtime_ns < limit for f in tree.files)
+
+
+def provisional_key(tree: SourceTree, recipe: Recipe) -> str:
+    """The name of a conversion whose key is not known yet (its source is hashed while it converts).
+
+    Key-shaped (staging names, locks, status and failure records work as for a key), never a key itself: it
+    names the source directory, its files' stat signatures and the recipe, not content. Two requests for the
+    same unchanged directory get the same one (one converts, the other waits); any change gives another.
+    """
+    doc = {"provisional": KEY_SCHEMA, "source": tree.real, "recipe": recipe.as_dict(),
+           "files": [[f.rel, *_sig(f.st)] for f in tree.files]}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return blake3.blake3(text.encode()).hexdigest()[:KEY_HEX_LEN]
 
 
 def changed_files(identity: SourceIdentity) -> list[str]:

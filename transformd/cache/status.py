@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..progress import Progress
 from .._durable import (
     read_json,
     write_json_atomic,
 )
+from ..progress import Progress
 from .keys import (
     validate_key,
 )

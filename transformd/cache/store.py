@@ -1,7 +1,7 @@
 """The cache store: layout, lookup, single-flight conversion and its publish.
 
 :class:`Cache` gathers the parts kept in their own modules: :mod:`.status` (in flight, failed), :mod:`.budget`
-(room, eviction, gc, cleanup), :mod:`.lease`, :mod:`.verify`.
+(room, eviction, gc, cleanup), :mod:`.lease`, :mod:`.verify`, :mod:`.alongside` (converting while hashing).
 
 See the package docstring (:mod:`transformd.cache`) for the on-disk layout and the rules.
 """
@@ -29,6 +29,7 @@ from .._durable import (
     write_json_atomic,
 )
 from ..progress import human_bytes
+from .alongside import AlongsideMixin, Hasher, _AlreadyCached
 from .budget import ENV_BUDGET, BudgetMixin, parse_size
 from .converter import Converter, TransformdConverter
 from .entry import Entry
@@ -47,9 +48,11 @@ from .keys import (
     Recipe,
     SourceIdentity,
     StatCache,
+    bytes_to_hash,
     cache_key,
     hash_file,
     identity_of_tree,
+    settled,
     source_identity,
     validate_key,
 )
@@ -126,8 +129,13 @@ def existing_root(root: str | os.PathLike[str] | None = None) -> Path:
 
 
 
-class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
+class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
     """A content-addressed cache of converted checkpoints under one root directory.
+
+    A source that must be read to know its key (the stat cache does not know its files) is converted while
+    it is hashed when at least :attr:`hash_alongside_min_bytes` are to be read (:mod:`.alongside`): one read
+    from the disk instead of a hashing pass and then the conversion's. Below that, hashing first costs nothing
+    worth saving, and a copy of cached content is recognised before anything is converted.
 
     Safe to use from many threads and many processes at once. Every method works from the
     files alone; nothing is kept in memory between calls except settings.
@@ -419,15 +427,16 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
         known: SourceIdentity | None,
         expect_key: str | None,
     ) -> Entry:
+        wait_started: float | None = None
+        unknown = bytes_to_hash(tree, self.stat_cache, known)
+        if expect_key is None and unknown and unknown >= self.hash_alongside_min_bytes and settled(tree):
+            entry = self._convert_while_hashing(tree, src, recipe, progress, converter, timeout, lease_ttl,
+                                                poll_interval, known)
+            if entry is not None:
+                return entry
+            wait_started = time.time()  # another process converted this very source: its key is now cheap to know
         t0 = time.monotonic()
-        prepare = getattr(converter or self.converter, "prepare", None)
-
-        def before_hashing(source_bytes: int) -> None:
-            self.check_fits(source_bytes)
-            if prepare is not None:  # a conversion will most likely follow: let it get ready while this hashes
-                prepare()
-
-        ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=before_hashing, known=known)
+        ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=self.check_fits, known=known)
         key = cache_key(ident, recipe)
         if expect_key is not None and key != expect_key:
             raise SourceChangedError(
@@ -436,7 +445,6 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
             )
         identify_s = time.monotonic() - t0
         deadline = None if timeout is None else time.monotonic() + timeout
-        wait_started: float | None = None
         last_update: float | None = None
         lock = FileLock(self.locks_dir / f"{key}.lock")
         while True:
@@ -513,14 +521,20 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
         converter: Converter,
         progress: Callable[[ConversionStatus], None] | None,
         timings: dict[str, float],
-    ) -> None:
-        """Convert into staging and publish. Called with the key's lock held and no entry present."""
+        *,
+        hasher: Hasher | None = None,
+    ) -> str:
+        """Convert into staging and publish; return the key published. Called with the key's lock held and no
+        entry present. ``hasher``: the source's identity still being computed (``key`` is then the provisional
+        name of this conversion, ``ident`` None); the entry is published under the key it gives, and the
+        conversion stops with :class:`_AlreadyCached` once that key has an entry or another converter."""
         self.cleanup(_held_key=key)
         name = f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
         stage = self.staging_dir / name
         status_path = self.staging_dir / f"{name}.json"
-        estimate = ident.total_bytes + ENTRY_OVERHEAD_BYTES
+        estimate = sum(f.st.st_size for f in tree.files) + ENTRY_OVERHEAD_BYTES
         writer = _StatusWriter(status_path, key, str(src), estimate, progress)
+        report: Callable[[Any], None] = writer if hasher is None else hasher.guarded(writer)
         t_start = time.monotonic()
         try:
             self._reserve(key, estimate, str(src), writer)
@@ -532,9 +546,9 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
             # what it reads is what the key covers, and nothing outside the roots.
             view = tree.view()
             try:
-                result = converter(view, out, recipe, writer)
+                result = converter(view, out, recipe, report)
             except BaseException as exc:
-                raise tree.relocate(exc, view)  # noqa: B904 - the same exception, naming the source
+                raise tree.relocate(exc, view)
             result = _relocate(jsonable(result), str(view), str(src))
             timings["convert"] = time.monotonic() - t
             self._hook("converted")
@@ -544,6 +558,10 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
                     f"source checkpoint {src} changed while it was converted ({', '.join(changed[:5])}"
                     f"{' ...' if len(changed) > 5 else ''}); the result was discarded"
                 )
+            if hasher is not None:  # the content's key, from the reads the conversion shared
+                ident = hasher.result()
+                key = cache_key(ident, recipe)
+                timings["hash_alongside"] = hasher.seconds
             t = time.monotonic()
             writer.set_state("publishing")
             for leftover in os.listdir(stage):  # e.g. a converter's own temporary files beside ``out``
@@ -576,6 +594,8 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
             except OSError as e:
                 if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and (self.entries_dir / key / MANIFEST_NAME).exists():
                     rmtree_force(stage)  # someone else published this key first: theirs stays
+                    if hasher is not None:
+                        raise _AlreadyCached(key) from None
                 else:
                     raise
             fsync_path(self.entries_dir)
@@ -588,7 +608,8 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
             with contextlib.suppress(OSError):
                 os.unlink(status_path)
             if isinstance(exc, Exception):
-                self._record_failure(key, exc)
+                for name in {key, hasher.key if hasher is not None else None} - {None}:  # and the key's waiters
+                    self._record_failure(name, exc)
             if isinstance(exc, FileNotFoundError) and not self.staging_dir.is_dir():
                 raise CacheError(
                     f"the cache directory {self.root} was removed while {src} was being converted; nothing was "
@@ -616,6 +637,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
             os.unlink(status_path)
         with contextlib.suppress(CacheError, OSError):
             self._enforce_budget(protect={key})
+        return key
 
     def _seal(self, out: Path, writer: _StatusWriter) -> tuple[FileRecord, ...]:
         """Digest and make read-only every file of ``out`` (the converter fsynced each); fsync its directories."""
@@ -661,7 +683,6 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin):
             fsync_path(d)
         records.sort(key=lambda r: r.name)
         return tuple(records)
-
 
 
 def _relocate(obj: Any, old: str, new: str) -> Any:

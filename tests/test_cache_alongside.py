@@ -1,0 +1,190 @@
+"""A source the cache must read to key is converted while it is hashed (read once), and published under its key.
+
+``hash_alongside_min_bytes`` is set to 0 here so that the small checkpoints of the tests take that path (real
+checkpoints do from 256 MiB on).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from transformd.cache import Cache, Recipe, TransformdConverter, keys
+from transformd.cache.errors import ConversionFailedError, SourceChangedError
+from transformd.checkpoint import convert_checkpoint
+from transformd.safetensors_io import CheckpointError
+from transformd.sample import write_sample_checkpoint
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+class _Counting(TransformdConverter):
+    """The real converter on the CPU, counting its calls; ``gate``: each call waits for it first."""
+
+    def __init__(self, gate: threading.Event | None = None):
+        super().__init__("cpu")
+        self.calls, self.gate = 0, gate
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        return super().__call__(*args, **kwargs)
+
+
+@pytest.fixture
+def hashes(monkeypatch) -> list[str]:
+    """The names of the files hashed by BLAKE3 (the key's reads)."""
+    seen: list[str] = []
+    real = keys.hash_file
+    monkeypatch.setattr(keys, "hash_file", lambda p: seen.append(os.path.basename(os.readlink(p))) or real(p))
+    return seen
+
+
+def _cache(root: Path, converter: TransformdConverter | None = None) -> Cache:
+    cache = Cache(root, budget_bytes="1G", converter=converter or _Counting())
+    cache.hash_alongside_min_bytes = 0
+    return cache
+
+
+def test_a_source_written_moments_ago_is_hashed_first(tmp_path, hashes):
+    """Files inside the stat cache's racy window are never remembered: converting such a source alongside its
+    hashing would let a later request convert it again, so it is keyed first (and a copy of it is a hit)."""
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    cache = _cache(tmp_path / "cache")
+    entry = cache.get_or_convert(src, Recipe(target="ocp"))
+    assert entry.outcome == "converted" and "identify" in entry.manifest.timings
+    assert "hash_alongside" not in entry.manifest.timings
+    assert cache.get_or_convert(src, Recipe(target="ocp")).outcome == "hit"
+    assert cache.converter.calls == 1
+
+
+def _old(src: Path) -> Path:
+    """Age the files past the stat cache's racy window, so that what is hashed once is remembered."""
+    for f in src.iterdir():
+        os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
+    return src
+
+
+def test_converted_while_hashed_under_the_key_hashing_first_gives(tmp_path, hashes):
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
+    cache = _cache(tmp_path / "cache")
+    entry = cache.get_or_convert(src, Recipe(target="ocp"))
+    assert entry.outcome == "converted" and cache.converter.calls == 1
+    assert sorted(hashes) == sorted(p.name for p in src.iterdir()), "each source file hashed exactly once"
+    manifest = entry.manifest
+    assert "hash_alongside" in manifest.timings and "identify" not in manifest.timings
+    direct = convert_checkpoint(src, tmp_path / "direct", target="ocp", device="cpu")
+    assert _tree(entry.path) == _tree(direct.out)
+    # the key is the content's: an independent identify (its own stat cache) gives the same one
+    assert entry.key == Cache(tmp_path / "other", budget_bytes="1G").key_for(src, Recipe(target="ocp"))
+    assert [r.ok for r in cache.verify()] == [True]
+    hashes.clear()
+    again = cache.get_or_convert(src, Recipe(target="ocp"))
+    assert (again.outcome, again.path, hashes) == ("hit", entry.path, [])
+    assert os.listdir(cache.staging_dir) == []
+
+
+def test_a_copy_of_cached_content_returns_that_entry(tmp_path):
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
+    cache = _cache(tmp_path / "cache")
+    first = cache.get_or_convert(src, Recipe(target="ocp"))
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    entry = cache.get_or_convert(copy, Recipe(target="ocp"))
+    assert (entry.outcome, entry.key, entry.path) == ("hit", first.key, first.path)
+    assert sorted(os.listdir(cache.entries_dir)) == [first.key]
+    assert [n for n in os.listdir(cache.staging_dir)] == [] and os.listdir(cache.failures_dir) == []
+
+
+def test_invalid_input_fails_at_once_and_leaves_nothing(tmp_path):
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
+    shard = src / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 1000)
+    _old(src)
+    cache = _cache(tmp_path / "cache")
+    for _ in range(2):  # the failure is recorded, not a stuck lock: the next request fails the same way
+        with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+            cache.get_or_convert(src, Recipe(target="ocp"))
+    assert os.listdir(cache.entries_dir) == [] and os.listdir(cache.staging_dir) == []
+    assert not any(t.name == "transformd-hash" for t in threading.enumerate()), "the hasher was stopped and joined"
+
+
+def test_a_source_changed_during_the_conversion_is_not_published(tmp_path):
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
+    cache = _cache(tmp_path / "cache")
+
+    def hook(phase: str) -> None:
+        if phase == "converted":
+            with open(src / "config.json", "a") as f:
+                f.write(" ")
+
+    cache._fault_hook = hook
+    with pytest.raises(SourceChangedError, match="changed while it was converted"):
+        cache.get_or_convert(src, Recipe(target="ocp"))
+    assert os.listdir(cache.entries_dir) == [] and os.listdir(cache.staging_dir) == []
+
+
+def test_two_requests_for_one_unseen_source_convert_once(tmp_path):
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
+    gate = threading.Event()
+    converter = _Counting(gate)
+    cache = _cache(tmp_path / "cache", converter)
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(cache.get_or_convert(src, Recipe(target="ocp"))))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    while converter.calls == 0:
+        threading.Event().wait(0.01)
+    gate.set()
+    for t in threads:
+        t.join(60)
+    assert converter.calls == 1 and len(results) == 2
+    assert sorted(e.outcome for e in results) == ["converted", "waited"] or sorted(
+        e.outcome for e in results) == ["converted", "hit"]
+    assert results[0].path == results[1].path
+
+
+def test_a_waiter_hears_of_the_failure(tmp_path):
+    """The second request waits on the first's conversion of the same source; when that fails, it is told."""
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
+    gate = threading.Event()
+
+    class Failing(_Counting):
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            assert gate.wait(30)
+            raise RuntimeError("the converter broke")
+
+    converter = Failing()
+    cache = _cache(tmp_path / "cache", converter)
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            cache.get_or_convert(src, Recipe(target="ocp"), poll_interval=0.01)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    first = threading.Thread(target=ask)
+    first.start()
+    while converter.calls == 0:
+        threading.Event().wait(0.01)
+    second = threading.Thread(target=ask)
+    second.start()
+    threading.Event().wait(0.3)
+    gate.set()
+    first.join(30)
+    second.join(30)
+    assert sorted(type(e).__name__ for e in errors) == ["ConversionFailedError", "RuntimeError"], errors
+    failed = next(e for e in errors if isinstance(e, ConversionFailedError))
+    assert "failed in another process: RuntimeError: the converter broke" in str(failed)
+    assert converter.calls == 1

@@ -1,0 +1,193 @@
+"""Converting a source while it is hashed: the source is read once, and the key is known when the conversion ends.
+
+A source whose files the stat cache does not know must be read to be keyed. Hashing it first and converting it
+afterwards reads it twice (the second time from the page cache at best) and serialises the two. Instead, one
+thread hashes while the conversion runs (:meth:`AlongsideMixin._convert_while_hashing`): the hasher runs ahead
+on the same checked descriptors, so the converter's reads of the same pages come from the page cache, and the
+key is known by the time the conversion ends. The entry is published under it, unless an entry already has it
+(another copy of the same content): the conversion then stops as soon as the key is known, its staging is
+removed, and that entry is returned. While the key is unknown the conversion goes by a provisional, key-shaped
+name (:func:`.keys.provisional_key`: the directory, its files' stat signatures, the recipe), so staging,
+locks, progress, reservations, failure records and cleanup work as for a key: a second request for the same
+unchanged directory waits for it and then finds the entry through the stat cache. That is why only a source
+whose files are all older than the stat cache's racy window (:func:`.keys.settled`) goes this way: a file
+written moments ago is never remembered, and later requests would convert it again instead of finding it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import CacheTimeoutError, ConversionFailedError
+from .keys import Recipe, SourceIdentity, bytes_to_hash, cache_key, identity_of_tree, provisional_key
+from .lock import FileLock, process_identity
+from .manifest import MANIFEST_NAME
+
+if TYPE_CHECKING:
+    from .converter import Converter
+    from .entry import Entry
+    from .securefs import SourceTree
+    from .status import ConversionStatus
+
+
+class _AlreadyCached(BaseException):
+    """Stops a conversion whose source's key, known while it ran, already has an entry or another converter
+    (a BaseException, as a cancellation: no failure is recorded)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+class Hasher:
+    """The thread that hashes a source beside its conversion, and what it found: the identity, the key, and
+    that key's lock, which it takes at once, so that a request which now knows the key (from the stat cache
+    the hashing just filled) waits for this conversion instead of starting its own."""
+
+    def __init__(self, cache: AlongsideMixin, tree: SourceTree, recipe: Recipe, known: SourceIdentity | None):
+        self._cache, self._tree, self._recipe, self._known = cache, tree, recipe, known
+        self._stop, self._done = threading.Event(), threading.Event()
+        self._error: BaseException | None = None
+        self.identity: SourceIdentity | None = None
+        self.key: str | None = None
+        self.key_lock: FileLock | None = None  #: held once the key is known, unless another process holds it
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="transformd-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        try:
+            ident = identity_of_tree(self._tree, stat_cache=self._cache.stat_cache, known=self._known,
+                                     cancelled=self._stop.is_set)
+            key = cache_key(ident, self._recipe)
+            lock = FileLock(self._cache.locks_dir / f"{key}.lock")
+            if lock.try_acquire(owner=process_identity()):
+                self.key_lock = lock
+            self.identity, self.key, self.seconds = ident, key, time.monotonic() - t0
+        except BaseException as exc:  # noqa: BLE001 - handed to the converting thread by result()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> SourceIdentity:
+        """The source's identity (waits for the hashing to end); raises what the hashing raised."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self.identity is not None
+        return self.identity
+
+    def guarded(self, writer: Any) -> Callable[[Any], None]:
+        """``writer`` (the conversion's status writer) for the converter: once the key is known, the status
+        names it (waiters of the key see the progress), and the conversion stops with :class:`_AlreadyCached`
+        when that key has an entry or another process' conversion."""
+
+        def report(update: Any) -> None:
+            if self._done.is_set() and self.key is not None:
+                entry = self._cache.entries_dir / self.key / MANIFEST_NAME
+                if self.key_lock is None or entry.exists():
+                    raise _AlreadyCached(self.key)
+                writer.key = self.key
+            writer(update)
+
+        return report
+
+    def close(self) -> None:
+        """Stop at the next file and wait (the thread reads the tree's descriptors); release the key's lock."""
+        self._stop.set()
+        self._thread.join()
+        if self.key_lock is not None:
+            self.key_lock.release()
+
+
+class AlongsideMixin:
+    """The :class:`~transformd.cache.Cache` methods of converting while hashing."""
+
+    #: Bytes to hash from which a conversion runs beside the hashing instead of after it.
+    hash_alongside_min_bytes: int = 256 << 20
+
+    def _convert_while_hashing(
+        self,
+        tree: SourceTree,
+        src: str | os.PathLike[str],
+        recipe: Recipe,
+        progress: Callable[[ConversionStatus], None] | None,
+        converter: Converter | None,
+        timeout: float | None,
+        lease_ttl: float | None,
+        poll_interval: float,
+        known: SourceIdentity | None,
+    ) -> Entry | None:
+        """Convert a source whose content is not known yet while a :class:`Hasher` hashes it; publish it under
+        its key, or return the entry that key already has. None: another process converted this very source
+        meanwhile (or is converting its content), for the caller to look up or wait for by key.
+
+        Single flight per source directory and stat signatures (:func:`.keys.provisional_key`): a second
+        request for the same unchanged directory waits for the first, then returns None. Limits first: nothing
+        is read before :meth:`check_fits`.
+        """
+        self.check_fits(sum(f.st.st_size for f in tree.files))
+        converter = converter or self.converter
+        prepare = getattr(converter, "prepare", None)
+        if prepare is not None:  # the imports and the GPU's start-up overlap the first reads
+            prepare()
+        slot = provisional_key(tree, recipe)
+        lock = FileLock(self.locks_dir / f"{slot}.lock")
+        self._ensure_layout()
+        try:
+            acquired = lock.try_acquire(owner=process_identity())
+        except OSError as e:
+            raise self._unusable(e) from e
+        if not acquired:
+            self._wait_for(slot, lock, src, progress, timeout, poll_interval)
+            return None
+        try:
+            if not bytes_to_hash(tree, self.stat_cache, known):  # converted by another process since it was asked
+                return None
+            hasher = Hasher(self, tree, recipe, known)
+            try:
+                key = self._convert_locked(slot, Path(src).absolute(), tree, None, recipe, converter, progress, {},
+                                           hasher=hasher)
+                outcome = "converted"
+            except _AlreadyCached as found:
+                key, outcome = found.key, "hit"
+            finally:
+                hasher.close()
+        finally:
+            lock.release()
+        return self._ready(key, lease_ttl, outcome=outcome)
+
+    def _wait_for(
+        self,
+        slot: str,
+        lock: FileLock,
+        src: str | os.PathLike[str],
+        progress: Callable[[ConversionStatus], None] | None,
+        timeout: float | None,
+        poll_interval: float,
+    ) -> None:
+        """Wait while another process holds ``slot``'s lock (converting this source), passing on its progress;
+        raise :class:`ConversionFailedError` if its conversion failed."""
+        started, deadline, last_update = time.time(), None if timeout is None else time.monotonic() + timeout, None
+        while not lock.try_acquire(owner=process_identity()):
+            if progress is not None:
+                st = self._in_flight_status(slot, waiting=True)
+                if st is not None and st.updated_at != last_update:
+                    last_update = st.updated_at
+                    progress(st)
+            if deadline is not None and time.monotonic() > deadline:
+                raise CacheTimeoutError(f"timed out after {timeout:.1f} s waiting for another process to convert "
+                                        f"{src} (cache {self.root})")
+            time.sleep(poll_interval)
+        lock.release()
+        failure = self._failure(slot)
+        if failure is not None and failure.get("at", 0) >= started:
+            error_type, detail = str(failure.get("error_type")), str(failure.get("message"))
+            raise ConversionFailedError(f"conversion of {src} failed in another process: {error_type}: {detail}",
+                                        key=slot, error_type=error_type, detail=detail)
