@@ -336,17 +336,26 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
         ("convert SRC --cache-dir C (cold)", True, lambda: timed([*convert, "--cache-dir", str(root / "cache")]), None),
         ("the same again (warm hit)", False, lambda: timed([*convert, "--cache-dir", str(root / "cache")]),
          root / "cache"),
+        ("python -c 'import httpx' (a warm path's floor)", False,
+         lambda: timed([sys.executable, "-c", "import httpx"]), None),
         ("cp -r + sync, source in page cache", False, lambda: copy_and_sync(src, root / "copy")["seconds"],
          root / "copy"),
         ("convert --out, source in page cache", False, lambda: timed([*convert, "--out", str(root / "out")]),
          root / "out"),
     ]
-    if args.baseline:  # the same two --out steps with another checkout's package, alternated with these
-        base = str(Path(args.baseline).resolve())
-        steps[2:2] = [("baseline: convert SRC --out D", True,
-                       lambda: timed([*convert, "--out", str(root / "out")], base), root / "out")]
-        steps.append(("baseline: convert --out, page cache", False,
-                      lambda: timed([*convert, "--out", str(root / "out")], base), root / "out"))
+    if args.baseline:  # the cache's cold and warm steps with another checkout's package, alternated with these
+        base, base_cache = str(Path(args.baseline).resolve()), str(root / "cache-baseline")
+        steps[4:4] = [
+            ("baseline: convert --cache-dir C (cold)", True,
+             lambda: timed([*convert, "--cache-dir", base_cache], base), None),
+            ("baseline: the same again (warm hit)", False,
+             lambda: timed([*convert, "--cache-dir", base_cache], base), Path(base_cache)),
+        ]
+        if args.baseline_out:
+            steps[2:2] = [("baseline: convert SRC --out D", True,
+                           lambda: timed([*convert, "--out", str(root / "out")], base), root / "out")]
+            steps.append(("baseline: convert --out, page cache", False,
+                          lambda: timed([*convert, "--out", str(root / "out")], base), root / "out"))
     imports = timed([sys.executable, "-c", "import torch, transformd.checkpoint, transformd.cli"])
     times: dict[str, list[float]] = {name: [] for name, *_ in steps}
     how = "?"
@@ -368,14 +377,16 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
              f"in {root} ({file_system(root)})",
              f"python -c 'import torch, transformd.checkpoint, transformd.cli': {imports:.2f} s", ""]
     floor = {True: min(times["cp -r SRC DST && sync"]), False: min(times["cp -r + sync, source in page cache"])}
+    warm = min(times["python -c 'import httpx' (a warm path's floor)"])
     header = f"{'what':<40} " + " ".join(f"{f'run {i + 1}':>16}" for i in range(args.rounds)) + f" {'GiB/s (best)':>13}"
     lines.append(header)
     for name, cold, *_ in steps:
-        ref = floor[cold or name.startswith("the same")]
+        ref = warm if ("warm hit" in name or "httpx" in name) else floor[cold]
         cells = [f"{t:6.2f} s ({t / ref:4.2f}x)" for t in times[name]]
         lines.append(f"{name:<40} " + " ".join(f"{c:>16}" for c in cells) + f" {gib / min(times[name]):13.2f}")
     lines.append("ratios: cold steps against the best cold cp -r + sync; page-cache steps against the best cp -r + "
-                 "sync with the source in the page cache (writing and fsyncing the same bytes)")
+                 "sync with the source in the page cache (writing and fsyncing the same bytes); warm hits against "
+                 "python -c 'import httpx' (Python plus an HTTP client)")
     return "\n".join(lines)
 
 
@@ -545,9 +556,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true", help="say what is being measured on stderr")
     p.add_argument("--whole-process", action="store_true", help="time whole CLI processes against cp -r + sync")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the whole-process measurements")
+    p.add_argument("--baseline-out", action="store_true",
+                   help="with --baseline: also time the baseline's convert --out (cold and from the page cache)")
     p.add_argument("--baseline", default=None, metavar="DIR",
-                   help="with --whole-process: also time convert --out with the transformd package in DIR (e.g. an "
-                        "older checkout: git archive REV transformd | tar -x -C DIR), alternated with this one")
+                   help="with --whole-process: also time convert --cache-dir (cold, then the warm hit) with the "
+                        "transformd package in DIR (e.g. an older checkout: git archive REV transformd | tar -x -C "
+                        "DIR), alternated with this one")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
