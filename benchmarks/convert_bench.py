@@ -315,8 +315,10 @@ def timed(cmd: list[str], package: str | None = None) -> float:
     env = _child_env()
     if package is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
+    # run from the package's directory: ``python -m``/``-c`` put the working directory first on sys.path, so
+    # from the repository's root its own package would shadow the one asked for
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=package or REPO)
     seconds = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -343,6 +345,20 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
         ("convert --out, source in page cache", False, lambda: timed([*convert, "--out", str(root / "out")]),
          root / "out"),
     ]
+    if args.hash_modes:  # the cache's cold conversion with the source hashed first, or beside on every core
+        def cache_with(name: str, settings: str) -> Callable[[], float]:
+            code = (f"import sys\nfrom transformd.cache import Cache, Recipe\nfrom transformd.cli.convert import "
+                    f"_cached_summary\ncache = Cache({str(root / name)!r}, device={dev!r})\n{settings}\n"
+                    f"entry = cache.get_or_convert({str(src)!r}, Recipe(target={args.target!r}, "
+                    f"scale_mode={args.scale_mode!r}))\nprint(_cached_summary(entry), file=sys.stderr)")
+            return lambda: timed([sys.executable, "-c", code])
+
+        steps[3:3] = [
+            ("cache (cold), hashed first, then converted", True,
+             cache_with("cache-first", "cache.hash_alongside_min_bytes = 1 << 62"), root / "cache-first"),
+            ("cache (cold), hashed alongside on every core", True,
+             cache_with("cache-all", "cache.hash_alongside_threads = None"), root / "cache-all"),
+        ]
     if args.baseline:  # the cache's cold and warm steps with another checkout's package, alternated with these
         base, base_cache = str(Path(args.baseline).resolve()), str(root / "cache-baseline")
         steps[4:4] = [
@@ -415,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     gib = args.gib if args.gib is not None else (4.0 if device != "cpu" else 1.0)
     small_gib = args.small_gib if args.small_gib is not None else gib / 4
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="transformd-bench-"))
+    root = Path(args.dir).resolve() if args.dir else Path(tempfile.mkdtemp(prefix="transformd-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"device": device, "gpus": torch.cuda.device_count() if device != "cpu" else 0,
                               "gpu_name": torch.cuda.get_device_name(0) if device != "cpu" else None,
@@ -556,6 +572,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true", help="say what is being measured on stderr")
     p.add_argument("--whole-process", action="store_true", help="time whole CLI processes against cp -r + sync")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the whole-process measurements")
+    p.add_argument("--hash-modes", action="store_true",
+                   help="with --whole-process: also time the cache's cold conversion with the source hashed first, "
+                        "and hashed alongside with a BLAKE3 thread per core (the default: alongside, 2 threads)")
     p.add_argument("--baseline-out", action="store_true",
                    help="with --baseline: also time the baseline's convert --out (cold and from the page cache)")
     p.add_argument("--baseline", default=None, metavar="DIR",

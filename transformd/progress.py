@@ -244,6 +244,9 @@ def summary(result: Any, where: str, *, how: str = "converted", timings: dict[st
         steps = " (" + ", ".join(f"{k} {v:.1f} s" for k, v in named) + ")" if named else ""
         seconds = float(timings.get("total", seconds))
     counted = f"{tensors} tensors, " if tensors else ""
+    busy = get("stage_busy", None) or {}
+    if busy:
+        steps += " [busy: " + ", ".join(f"{k} {v:.1f} s" for k, v in busy.items()) + "]"
     return (
         f"transformd: {how} {human_bytes(data)} ({counted}{converted} MXFP8 weights converted) in {seconds:.1f} s"
         f"{steps}{rate}; target {get('target', '?')}, scale mode {get('scale_mode', '?')}, on {get('device', '?')}; "

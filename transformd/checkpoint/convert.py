@@ -58,6 +58,9 @@ class ConversionResult:
     #: Tensors in the input shards, and their bytes (what progress counts up to).
     tensors: int = 0
     data_bytes: int = 0
+    #: Seconds each stage of the pipeline worked (read, convert, write, sync; the busiest lane's): where the time
+    #: went. The stage closest to ``seconds`` is the bottleneck (sync: the disk; read: the source or the page cache).
+    stage_busy: dict[str, float] = field(default_factory=dict)
 
 
 def convert_checkpoint(
@@ -182,6 +185,7 @@ def write_checkpoint(
         readiness=readiness if readiness is not None else plan_readiness(plan, target),
         tensors=plan.tensor_count,
         data_bytes=plan.data_bytes,
+        stage_busy=run.stage_busy,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ class Run:
     bytes_done: int = 0
     convert_bytes_done: int = 0
     output_tensors: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (shard, nbytes)
+    stage_busy: dict[str, float] = field(default_factory=dict)  # see _Stages.busy
 
     def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
         self.tensors_done += tensors
@@ -156,6 +158,7 @@ def convert_shards(run: Run, devices: list[torch.device]) -> None:
         for lane in lanes:
             lane.start()
         stages.wait(run.tick)
+        run.stage_busy = stages.busy()
     finally:
         for lane in lanes:
             lane.close()
@@ -221,12 +224,16 @@ class SlotPool:
             self._made += 1
             self._tally.add(buffers=self.slot_bytes)
             return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-        while True:
-            self._stages.check()
-            try:
-                return self._free.get(timeout=POLL_S)
-            except queue.Empty:
-                pass
+        since = time.monotonic()
+        try:
+            while True:
+                self._stages.check()
+                try:
+                    return self._free.get(timeout=POLL_S)
+                except queue.Empty:
+                    pass
+        finally:
+            self._stages.waiting(since)
 
     def give(self, slot: torch.Tensor) -> None:
         self._free.put(slot)
@@ -329,6 +336,25 @@ class _Stages:
         self._stop = threading.Event()
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._local = threading.local()
+        #: per stage thread: seconds alive, and seconds spent waiting on a channel or for a slot
+        self.alive: dict[str, float] = {}
+        self.waited: dict[str, float] = {}
+
+    def waiting(self, since: float) -> None:
+        """Count ``time.monotonic() - since`` as the calling stage's waiting time (a no-op off the stages)."""
+        name = getattr(self._local, "name", None)
+        if name is not None:
+            self.waited[name] = self.waited.get(name, 0.0) + time.monotonic() - since
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each kind of stage (read, convert, write, sync) worked, the busiest lane's: the bottleneck is
+        the stage whose busy time is closest to the conversion's."""
+        out: dict[str, float] = {}
+        for name, alive in self.alive.items():
+            kind = name.split("-", 1)[0]
+            out[kind] = round(max(out.get(kind, 0.0), alive - self.waited.get(name, 0.0)), 3)
+        return out
 
     def channel(self, maxsize: int = CHANNEL_ITEMS) -> _Channel:
         return _Channel(self, maxsize)
@@ -343,6 +369,7 @@ class _Stages:
 
     def start(self, name: str, stage: Callable[[], None]) -> None:
         def body() -> None:
+            self._local.name, started = name, time.monotonic()
             try:
                 stage()
             except _Stopped:
@@ -352,6 +379,7 @@ class _Stages:
                 traceback.clear_frames(err.__traceback__)  # drop the frames' buffers; keep file and line
                 self._events.put(("error", err))
             finally:
+                self.alive[name] = time.monotonic() - started
                 self._events.put(("exit", name))
 
         thread = threading.Thread(target=body, name=f"transformd-{name}", daemon=True)
@@ -387,20 +415,36 @@ class _Channel:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize)
 
     def put(self, item: Any) -> None:
-        while True:
-            self._stages.check()
-            try:
-                return self._queue.put(item, timeout=POLL_S)
-            except queue.Full:
-                pass
+        self._stages.check()
+        try:
+            return self._queue.put_nowait(item)
+        except queue.Full:
+            since = time.monotonic()
+        try:
+            while True:
+                self._stages.check()
+                try:
+                    return self._queue.put(item, timeout=POLL_S)
+                except queue.Full:
+                    pass
+        finally:
+            self._stages.waiting(since)
 
     def get(self) -> Any:
-        while True:
-            self._stages.check()
-            try:
-                return self._queue.get(timeout=POLL_S)
-            except queue.Empty:
-                pass
+        self._stages.check()
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            since = time.monotonic()
+        try:
+            while True:
+                self._stages.check()
+                try:
+                    return self._queue.get(timeout=POLL_S)
+                except queue.Empty:
+                    pass
+        finally:
+            self._stages.waiting(since)
 
     def drain(self) -> list[Any]:
         """Take out whatever is left (once the stages have been joined)."""
