@@ -345,7 +345,7 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
         ("convert --out, source in page cache", False, lambda: timed([*convert, "--out", str(root / "out")]),
          root / "out"),
     ]
-    if args.hash_modes:  # the cache's cold conversion with the source hashed first, or beside on every core
+    if args.hash_modes:  # the cache's cold conversion with the source hashed first, then converted
         def cache_with(name: str, settings: str) -> Callable[[], float]:
             code = (f"import sys\nfrom transformd.cache import Cache, Recipe\nfrom transformd.cli.convert import "
                     f"_cached_summary\ncache = Cache({str(root / name)!r}, device={dev!r})\n{settings}\n"
@@ -356,8 +356,6 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
         steps[3:3] = [
             ("cache (cold), hashed first, then converted", True,
              cache_with("cache-first", "cache.hash_alongside_min_bytes = 1 << 62"), root / "cache-first"),
-            ("cache (cold), hashed alongside on every core", True,
-             cache_with("cache-all", "cache.hash_alongside_threads = None"), root / "cache-all"),
         ]
     if args.baseline:  # the cache's cold and warm steps with another checkout's package, alternated with these
         base, base_cache = str(Path(args.baseline).resolve()), str(root / "cache-baseline")
@@ -574,7 +572,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds of the whole-process measurements")
     p.add_argument("--hash-modes", action="store_true",
                    help="with --whole-process: also time the cache's cold conversion with the source hashed first, "
-                        "and hashed alongside with a BLAKE3 thread per core (the default: alongside, 2 threads)")
+                        "then converted (the default hashes it alongside the conversion)")
     p.add_argument("--baseline-out", action="store_true",
                    help="with --baseline: also time the baseline's convert --out (cold and from the page cache)")
     p.add_argument("--baseline", default=None, metavar="DIR",

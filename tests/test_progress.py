@@ -70,6 +70,13 @@ def test_summary_line() -> None:
     )
     timed = summary(result, "cache entry /c", timings={"identify": 2.0, "convert": 14.0, "publish": 0.5, "total": 16.5})
     assert "in 16.5 s (identify 2.0 s, convert 14.0 s, publish 0.5 s), 47.7 MiB/s" in timed
+    # a cache entry's manifest keeps the first 1000 names of a long list and says how many more
+    from transformd.cache.manifest import jsonable
+
+    many = {**result, "converted": [f"w{i}" for i in range(9964)], "stage_busy": {"read": 2.5, "write": 9.0}}
+    line = summary(jsonable(many), "cache entry /c", timings={"hash_alongside": 3.0, "convert": 14.0, "total": 14.5})
+    assert "(412 tensors, 9964 MXFP8 weights converted) in 14.5 s (hashed alongside 3.0 s, convert 14.0 s) " \
+           "[busy: read 2.5 s, write 9.0 s]" in line, line
 
 
 def test_one_progress_record_from_the_pipeline_to_the_client() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -227,6 +228,12 @@ class ConvertProgress:
         self.close()
 
 
+def _listed(names: list[Any]) -> int:
+    """Items of a list, counting the ``"... (N more)"`` a manifest ends a long list with (cache.manifest.jsonable)."""
+    more = re.fullmatch(r"\.\.\. \((\d+) more\)", str(names[-1])) if names else None
+    return len(names) - 1 + int(more.group(1)) if more else len(names)
+
+
 def summary(result: Any, where: str, *, how: str = "converted", timings: dict[str, float] | None = None) -> str:
     """The one line ``transformd convert`` ends with (standard error): bytes, tensors, time, rate, target,
     mode, device and where the result is. ``result`` is a :class:`transformd.checkpoint.ConversionResult`
@@ -234,7 +241,7 @@ def summary(result: Any, where: str, *, how: str = "converted", timings: dict[st
     get = result.get if isinstance(result, dict) else (lambda name, default=None: getattr(result, name, default))
     data = get("data_bytes", 0) or get("bytes_read", 0) or 0
     seconds = float(get("seconds", 0.0) or 0.0)
-    tensors, converted = get("tensors", 0) or 0, len(get("converted", None) or [])
+    tensors, converted = get("tensors", 0) or 0, _listed(get("converted", None) or [])
     rate = f", {human_bytes(data / seconds)}/s" if seconds > 0 else ""
     steps = ""
     if timings:

@@ -64,7 +64,7 @@ class Hasher:
         t0 = time.monotonic()
         try:
             ident = identity_of_tree(self._tree, stat_cache=self._cache.stat_cache, known=self._known,
-                                     cancelled=self._stop.is_set, hash_threads=self._cache.hash_alongside_threads)
+                                     cancelled=self._stop.is_set)
             key = cache_key(ident, self._recipe)
             lock = FileLock(self._cache.locks_dir / f"{key}.lock")
             if lock.try_acquire(owner=process_identity()):
@@ -111,8 +111,6 @@ class AlongsideMixin:
 
     #: Bytes to hash from which a conversion runs beside the hashing instead of after it.
     hash_alongside_min_bytes: int = 256 << 20
-    #: BLAKE3 threads of the hashing beside a conversion (None: one per core), which needs its CPUs too.
-    hash_alongside_threads: int | None = 2
 
     def _convert_while_hashing(
         self,

@@ -160,9 +160,9 @@ def cache_key(identity: SourceIdentity, recipe: Recipe) -> str:
     return blake3.blake3(text.encode()).hexdigest()[:KEY_HEX_LEN]
 
 
-def hash_file(path: Path | str, threads: int | None = None) -> str:
-    """``blake3:<hex>`` of a file's content (memory-mapped; ``threads`` at the most, default one per core)."""
-    h = blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
+def hash_file(path: Path | str) -> str:
+    """``blake3:<hex>`` of a file's content (memory-mapped, multi-threaded)."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update_mmap(os.fspath(path))
     return "blake3:" + h.hexdigest()
 
@@ -356,7 +356,6 @@ def identity_of_tree(
     before_hashing: Callable[[int], None] | None = None,
     known: SourceIdentity | None = None,
     cancelled: Callable[[], bool] | None = None,
-    hash_threads: int | None = None,
 ) -> SourceIdentity:
     """The identity of the files of an opened :class:`SourceTree`, hashing what the stat cache does not know.
 
@@ -370,8 +369,7 @@ def identity_of_tree(
     (remembered in the stat cache under the file's full stat signature); otherwise the id is the BLAKE3 of
     the bytes. Modification times never stand in for content. ``before_hashing(total bytes of the source)`` is
     called once before the first byte is hashed (a size check that may raise: no work before limits).
-    ``cancelled()`` is asked before each file is hashed; true raises :class:`HashingCancelled`. ``hash_threads``:
-    BLAKE3's threads at the most (default one per core).
+    ``cancelled()`` is asked before each file is hashed; true raises :class:`HashingCancelled`.
     """
     src_real = tree.real
     remembered, just_read = _remembered(tree, stat_cache, known)
@@ -403,7 +401,7 @@ def identity_of_tree(
                     actual = _claim_digest(f.fd, st.st_size, claim)
                     digest = claim if actual == claim else None
                 if digest is None:
-                    digest = hash_file(f.proc_path, hash_threads) if hash_threads else hash_file(f.proc_path)
+                    digest = hash_file(f.proc_path)
             except (OSError, ValueError) as e:
                 raise SourceError(f"cannot read {os.path.join(tree.src, rel)}: {getattr(e, 'strerror', e)}") from e
             hashed_files += 1

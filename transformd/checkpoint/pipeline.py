@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import os
-import queue
-import threading
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 
 import torch
 
@@ -28,8 +24,6 @@ from ..safetensors_io import (
 )
 from .pieces import (
     CPU_WORK_FACTOR,
-    MAX_SLOTS,
-    BufferSizes,
     KernelConverter,
     ReferenceConverter,
     Unit,
@@ -40,6 +34,7 @@ from .pieces import (
     units,
 )
 from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
+from .stages import SlotPool, Stages, Tally
 
 # -------------------------------------------------------------------------------------------------------------------
 # Conversion
@@ -68,27 +63,8 @@ from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 #: Default bound on the host memory of a conversion's buffers (``host_memory_bytes``).
 DEFAULT_HOST_MEMORY_BYTES = 2 << 30
-#: Items a channel between two stages holds (memory is bounded by the slots, not by this).
-CHANNEL_ITEMS = 4 * MAX_SLOTS
 #: Finished files waiting for the syncer at the most (bounds the dirty page cache the writer runs ahead by).
 SYNC_BACKLOG = 2
-#: How often a waiting stage checks whether the conversion was stopped (seconds).
-POLL_S = 0.05
-
-
-class _Tally:
-    """Byte counts the stage threads add to: data read and written, host buffers allocated (and their peak)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.read = self.written = self.buffers = self.buffers_peak = 0
-
-    def add(self, *, read: int = 0, written: int = 0, buffers: int = 0) -> None:
-        with self._lock:
-            self.read += read
-            self.written += written
-            self.buffers += buffers
-            self.buffers_peak = max(self.buffers_peak, self.buffers)
 
 
 @runtime_checkable
@@ -119,12 +95,12 @@ class Run:
     host_memory_bytes: int
     progress: Callable[[Progress], None] | None
     shard_order: ShardOrder | None = None
-    tally: _Tally = field(default_factory=_Tally)
+    tally: Tally = field(default_factory=Tally)
     tensors_done: int = 0
     bytes_done: int = 0
     convert_bytes_done: int = 0
     output_tensors: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (shard, nbytes)
-    stage_busy: dict[str, float] = field(default_factory=dict)  # see _Stages.busy
+    stage_busy: dict[str, float] = field(default_factory=dict)  # see Stages.busy
 
     def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
         self.tensors_done += tensors
@@ -152,7 +128,7 @@ def convert_shards(run: Run, devices: list[torch.device]) -> None:
             outputs = [(t.name, t.nbytes) for t in shard.header.tensors.values()]
         run.output_tensors.update((name, (shard.name, nbytes)) for name, nbytes in outputs)
     assigned = [(dev, shards) for dev, shards in zip(devices, _assign_shards(run.plan.shards, len(devices))) if shards]
-    stages = _Stages()
+    stages = Stages()
     lanes = [_Lane(run, stages, dev, shards, run.host_memory_bytes // len(assigned)) for dev, shards in assigned]
     try:
         for lane in lanes:
@@ -201,48 +177,6 @@ def _release_cached_memory(devices: list[torch.device]) -> None:
         empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
         if empty_host_cache is not None:
             empty_host_cache()
-
-
-# -- host buffers -----------------------------------------------------------------------------------------------
-
-
-class SlotPool:
-    """At most ``count`` host buffers of ``slot_bytes`` each, allocated on first need and then reused.
-
-    One stage takes slots (only that one thread), a later stage gives them back; taking waits while all
-    are out, until the stages stop. Pinned (page-locked) when they feed a GPU, for full-speed copies.
-    """
-
-    def __init__(self, sizes: BufferSizes, *, pinned: bool, stages: _Stages, tally: _Tally):
-        self.slot_bytes, self.count, self.pinned = sizes.slot_bytes, sizes.slots, pinned
-        self._stages, self._tally = stages, tally
-        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        self._made = 0
-
-    def take(self) -> torch.Tensor:
-        if self._free.empty() and self._made < self.count:
-            self._made += 1
-            self._tally.add(buffers=self.slot_bytes)
-            return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-        since = time.monotonic()
-        try:
-            while True:
-                self._stages.check()
-                try:
-                    return self._free.get(timeout=POLL_S)
-                except queue.Empty:
-                    pass
-        finally:
-            self._stages.waiting(since)
-
-    def give(self, slot: torch.Tensor) -> None:
-        self._free.put(slot)
-
-    def close(self) -> None:
-        while not self._free.empty():
-            self._free.get_nowait()
-        self._tally.add(buffers=-self._made * self.slot_bytes)
-        self._made = 0
 
 
 # -- what flows between the stages ------------------------------------------------------------------------------
@@ -317,150 +251,13 @@ class _CloseShard:
 _END = object()  # the last item a stage sends
 
 
-# -- the pipeline helper ----------------------------------------------------------------------------------------
-
-
-class _Stopped(Exception):
-    """Unwinds a stage quietly once another stage has failed or the caller gave up."""
-
-
-class _Stages:
-    """Threads joined by bounded channels; the first error stops them all.
-
-    Stage threads report to the calling thread through one queue, in the order things happen: progress
-    ticks, their error, their exit. :meth:`wait` (on the calling thread) applies the ticks, and re-raises
-    the first error once every stage has been stopped and joined.
-    """
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._local = threading.local()
-        #: per stage thread: seconds alive, and seconds spent waiting on a channel or for a slot
-        self.alive: dict[str, float] = {}
-        self.waited: dict[str, float] = {}
-
-    def waiting(self, since: float) -> None:
-        """Count ``time.monotonic() - since`` as the calling stage's waiting time (a no-op off the stages)."""
-        name = getattr(self._local, "name", None)
-        if name is not None:
-            self.waited[name] = self.waited.get(name, 0.0) + time.monotonic() - since
-
-    def busy(self) -> dict[str, float]:
-        """Seconds each kind of stage (read, convert, write, sync) worked, the busiest lane's: the bottleneck is
-        the stage whose busy time is closest to the conversion's."""
-        out: dict[str, float] = {}
-        for name, alive in self.alive.items():
-            kind = name.split("-", 1)[0]
-            out[kind] = round(max(out.get(kind, 0.0), alive - self.waited.get(name, 0.0)), 3)
-        return out
-
-    def channel(self, maxsize: int = CHANNEL_ITEMS) -> _Channel:
-        return _Channel(self, maxsize)
-
-    def check(self) -> None:
-        """Raise :class:`_Stopped` if the stages were stopped (stages call this wherever they wait)."""
-        if self._stop.is_set():
-            raise _Stopped
-
-    def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
-        self._events.put(("tick", (shard, tensors, nbytes, converted)))
-
-    def start(self, name: str, stage: Callable[[], None]) -> None:
-        def body() -> None:
-            self._local.name, started = name, time.monotonic()
-            try:
-                stage()
-            except _Stopped:
-                pass
-            except BaseException as err:  # noqa: BLE001 - handed to the calling thread, which raises it
-                self._stop.set()
-                traceback.clear_frames(err.__traceback__)  # drop the frames' buffers; keep file and line
-                self._events.put(("error", err))
-            finally:
-                self.alive[name] = time.monotonic() - started
-                self._events.put(("exit", name))
-
-        thread = threading.Thread(target=body, name=f"transformd-{name}", daemon=True)
-        self._threads.append(thread)
-        thread.start()
-
-    def wait(self, on_tick: Callable[[str, int, int, int], None]) -> None:
-        """Apply ticks until every stage has exited; on an error (or an exception here) stop all, join, raise."""
-        running = len(self._threads)
-        try:
-            while running:
-                try:
-                    kind, payload = self._events.get(timeout=1.0)
-                except queue.Empty:
-                    continue
-                if kind == "tick":
-                    on_tick(*payload)
-                elif kind == "error":
-                    raise payload
-                else:
-                    running -= 1
-        finally:
-            self._stop.set()
-            for thread in self._threads:
-                thread.join()
-
-
-class _Channel:
-    """A bounded FIFO from one stage to the next; waiting ends with :class:`_Stopped` when the stages stop."""
-
-    def __init__(self, stages: _Stages, maxsize: int):
-        self._stages = stages
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize)
-
-    def put(self, item: Any) -> None:
-        self._stages.check()
-        try:
-            return self._queue.put_nowait(item)
-        except queue.Full:
-            since = time.monotonic()
-        try:
-            while True:
-                self._stages.check()
-                try:
-                    return self._queue.put(item, timeout=POLL_S)
-                except queue.Full:
-                    pass
-        finally:
-            self._stages.waiting(since)
-
-    def get(self) -> Any:
-        self._stages.check()
-        try:
-            return self._queue.get_nowait()
-        except queue.Empty:
-            since = time.monotonic()
-        try:
-            while True:
-                self._stages.check()
-                try:
-                    return self._queue.get(timeout=POLL_S)
-                except queue.Empty:
-                    pass
-        finally:
-            self._stages.waiting(since)
-
-    def drain(self) -> list[Any]:
-        """Take out whatever is left (once the stages have been joined)."""
-        items = []
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        return items
-
-
 # -- one lane: the four stages of one device ----------------------------------------------------------------------
 
 
 class _Lane:
     """The reader, converter, writer and syncer of one device, its shards, and the slots between them."""
 
-    def __init__(self, run: Run, stages: _Stages, device: torch.device, shards: list[ShardPlan], memory: int):
+    def __init__(self, run: Run, stages: Stages, device: torch.device, shards: list[ShardPlan], memory: int):
         if device.type == "cuda" and device.index is None:  # the caller's current GPU (stage threads start on 0)
             device = torch.device("cuda", torch.cuda.current_device())
         self.run, self.stages, self.device, self.shards = run, stages, device, shards
