@@ -257,3 +257,28 @@ def test_convert_out_checks_free_space_first(tmp_path: Path, capsys, monkeypatch
     out = checkpoint.convert_checkpoint(src, tmp_path / "out", device="cpu").out
     written = sum(f.stat().st_size for f in out.iterdir())
     assert written <= needed <= written + (2 << 20), (written, needed)  # the estimate is close, and not below
+
+
+def test_a_cache_hit_reports_the_readiness_its_conversion_recorded(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A hit prints the same engine warnings as the conversion did, from the manifest (no shard header is read);
+    an entry whose manifest has none (an older version's) gets them computed from its headers."""
+    from transformd.checkpoint import plan
+
+    src, root = write_checkpoint(tmp_path / "src"), tmp_path / "cache"
+    _, first, cold = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu", "--target", "ocp")
+    warnings = [line for line in cold if line.startswith("transformd: warning: ")]
+    assert warnings, cold  # this checkpoint's partial tiles: some engine cannot load it at any TP size
+    read: list[str] = []
+    real = plan.read_header
+    monkeypatch.setattr(plan, "read_header", lambda p: read.append(str(p)) or real(p))
+    _, again, warm = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu", "--target", "ocp")
+    assert again == first and [line for line in warm if line.startswith("transformd: warning: ")] == warnings
+    assert "found in the cache" in warm[-1] and not [p for p in read if p.startswith(str(root))], read
+    manifest = Path(first[-1]).parent / "manifest.json"
+    data = json.loads(manifest.read_text())
+    del data["result"]["readiness"]
+    os.chmod(manifest, 0o644)
+    manifest.write_text(json.dumps(data))
+    _, _, older = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu", "--target", "ocp")
+    assert [line for line in older if line.startswith("transformd: warning: ")] == warnings
+    assert [p for p in read if p.startswith(str(root))], "computed from the entry's headers"

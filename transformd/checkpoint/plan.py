@@ -243,7 +243,10 @@ def _shard_layout(src: Path) -> tuple[dict[str, Any] | None, list[str]]:
         raise CheckpointError("has no weight_map object (or it is empty)", file=src / INDEX_NAME)
     if not isinstance(index.get("metadata", {}), (dict, type(None))):  # rewritten (total_size) in the output
         raise CheckpointError("has a metadata entry that is not an object", file=src / INDEX_NAME)
+    checked: set[str] = set()  # each shard file is checked once, not once per tensor (thousands per shard)
     for name, shard in weight_map.items():
+        if isinstance(shard, str) and shard in checked:
+            continue
         if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
             problem = f"maps to {shard!r}, which is not a file name in the directory"
             raise CheckpointError(problem, file=src / INDEX_NAME, tensor=name)
@@ -252,7 +255,8 @@ def _shard_layout(src: Path) -> tuple[dict[str, Any] | None, list[str]]:
             raise CheckpointError(problem, file=src / INDEX_NAME, tensor=name)
         if not (src / shard).is_file():
             raise CheckpointError(f"maps to {shard}, which does not exist", file=src / INDEX_NAME, tensor=name)
-    return index, sorted(set(weight_map.values()))
+        checked.add(shard)
+    return index, sorted(checked)
 
 
 def _check_index(src: Path, index: dict[str, Any], headers: dict[str, Header]) -> None:

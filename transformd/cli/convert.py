@@ -177,7 +177,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
             args.src, Recipe(target=target, scale_mode=args.scale_mode, select=args.select),
             progress=lambda status: bar.update(status.progress)
         )
-    _print_outcome(readiness_of_dir(entry.path), args.engine, target, why)
+    _print_outcome(_recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:
         from ..report import compare_checkpoints
@@ -185,6 +185,18 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         print(compare_checkpoints(args.src, entry.path).format_table(legend=True))
     print(entry.path)
     return EXIT_OK
+
+
+def _recorded_readiness(entry) -> dict | None:
+    """The engine readiness the conversion recorded in the entry's manifest (the report of its output, computed
+    before it was written), or None (an entry of an older version: then it is computed from the headers)."""
+    from ..engines import CHECKED_ENGINES, EngineReadiness
+
+    try:
+        recorded = entry.manifest.result["readiness"]  # (in the engines' order, not the manifest's sorted keys)
+        return {e.value: EngineReadiness(**recorded[e.value]) for e in CHECKED_ENGINES if e.value in recorded} or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _cached_summary(entry) -> str:
