@@ -8,7 +8,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,6 +18,8 @@ from .pieces import MAX_SLOTS, BufferSizes
 CHANNEL_ITEMS = 4 * MAX_SLOTS
 #: How often a waiting stage checks whether the conversion was stopped (seconds).
 POLL_S = 0.05
+
+T = TypeVar("T")
 
 
 class Tally:
@@ -56,11 +58,22 @@ class Stages:
         self.alive: dict[str, float] = {}
         self.waited: dict[str, float] = {}
 
-    def waiting(self, since: float) -> None:
-        """Count ``time.monotonic() - since`` as the calling stage's waiting time (a no-op off the stages)."""
-        name = getattr(self._local, "name", None)
-        if name is not None:
-            self.waited[name] = self.waited.get(name, 0.0) + time.monotonic() - since
+    def blocking(self, attempt: Callable[[], T], miss: type[Exception]) -> T:
+        """``attempt()`` (a queue operation with a timeout, raising ``miss`` when it times out) until it succeeds;
+        :class:`Stopped` once the stages stop. The time counts as the calling stage's waiting (off the stages:
+        not counted)."""
+        since = time.monotonic()
+        try:
+            while True:
+                self.check()
+                try:
+                    return attempt()
+                except miss:
+                    pass
+        finally:
+            name = getattr(self._local, "name", None)
+            if name is not None:
+                self.waited[name] = self.waited.get(name, 0.0) + time.monotonic() - since
 
     def busy(self) -> dict[str, float]:
         """Seconds each kind of stage (read, convert, write, sync) worked, the busiest lane's: the bottleneck is
@@ -134,32 +147,14 @@ class Channel:
         try:
             return self._queue.put_nowait(item)
         except queue.Full:
-            since = time.monotonic()
-        try:
-            while True:
-                self._stages.check()
-                try:
-                    return self._queue.put(item, timeout=POLL_S)
-                except queue.Full:
-                    pass
-        finally:
-            self._stages.waiting(since)
+            return self._stages.blocking(lambda: self._queue.put(item, timeout=POLL_S), queue.Full)
 
     def get(self) -> Any:
         self._stages.check()
         try:
             return self._queue.get_nowait()
         except queue.Empty:
-            since = time.monotonic()
-        try:
-            while True:
-                self._stages.check()
-                try:
-                    return self._queue.get(timeout=POLL_S)
-                except queue.Empty:
-                    pass
-        finally:
-            self._stages.waiting(since)
+            return self._stages.blocking(lambda: self._queue.get(timeout=POLL_S), queue.Empty)
 
     def drain(self) -> list[Any]:
         """Take out whatever is left (once the stages have been joined)."""
@@ -187,16 +182,7 @@ class SlotPool:
             self._made += 1
             self._tally.add(buffers=self.slot_bytes)
             return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-        since = time.monotonic()
-        try:
-            while True:
-                self._stages.check()
-                try:
-                    return self._free.get(timeout=POLL_S)
-                except queue.Empty:
-                    pass
-        finally:
-            self._stages.waiting(since)
+        return self._stages.blocking(lambda: self._free.get(timeout=POLL_S), queue.Empty)
 
     def give(self, slot: torch.Tensor) -> None:
         self._free.put(slot)
