@@ -188,3 +188,23 @@ def test_a_waiter_hears_of_the_failure(tmp_path):
     failed = next(e for e in errors if isinstance(e, ConversionFailedError))
     assert "failed in another process: RuntimeError: the converter broke" in str(failed)
     assert converter.calls == 1
+
+
+def test_a_failed_hashing_stops_the_conversion_beside_it(tmp_path, monkeypatch):
+    """A file that changes while it is hashed fails the hashing; the conversion beside it stops at its next
+    progress update instead of running to the end, and nothing is published."""
+    from transformd.cache import alongside
+
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
+
+    def changed(*args, **kwargs):
+        raise SourceChangedError(f"{src}/config.json changed while it was being read; try again when it is complete")
+
+    monkeypatch.setattr(alongside, "identity_of_tree", changed)
+    updates: list = []
+    cache = _cache(tmp_path / "cache")
+    with pytest.raises(SourceChangedError, match="changed while it was being read"):
+        cache.get_or_convert(src, Recipe(target="ocp"), progress=updates.append)
+    converting = [u for u in updates if u.state == "converting" and u.detail]
+    assert len(converting) <= 1, "stopped at its first progress update"
+    assert os.listdir(cache.entries_dir) == [] and os.listdir(cache.staging_dir) == []

@@ -86,9 +86,12 @@ class Hasher:
     def guarded(self, writer: Any) -> Callable[[Any], None]:
         """``writer`` (the conversion's status writer) for the converter: once the key is known, the status
         names it (waiters of the key see the progress), and the conversion stops with :class:`_AlreadyCached`
-        when that key has an entry or another process' conversion."""
+        when that key has an entry or another process' conversion; it stops with the hashing's error (a file that
+        changed while it was read, say) as soon as the hashing fails."""
 
         def report(update: Any) -> None:
+            if self._error is not None:
+                raise self._error
             if self._done.is_set() and self.key is not None:
                 entry = self._cache.entries_dir / self.key / MANIFEST_NAME
                 if self.key_lock is None or entry.exists():
