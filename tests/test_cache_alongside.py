@@ -91,14 +91,36 @@ def test_converted_while_hashed_under_the_key_hashing_first_gives(tmp_path, hash
     assert os.listdir(cache.staging_dir) == []
 
 
+class _AfterTheHashing(_Counting):
+    """Converts once the hashing beside it is done (its thread has ended); records whether it ran to the end."""
+
+    finished: list[bool]
+
+    def __call__(self, *args, **kwargs):
+        for _ in range(3000):
+            if not any(t.name == "transformd-hash" for t in threading.enumerate()):
+                break
+            threading.Event().wait(0.01)
+        self.finished.append(False)
+        result = super().__call__(*args, **kwargs)
+        self.finished[-1] = True
+        return result
+
+
 def test_a_copy_of_cached_content_returns_that_entry(tmp_path):
+    """The copy's key is known while it converts: it has an entry, so the conversion stops at its next progress
+    update (not at the end) and that entry is returned."""
     src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
-    cache = _cache(tmp_path / "cache")
+    converter = _AfterTheHashing()
+    converter.finished = []
+    cache = _cache(tmp_path / "cache", converter)
     first = cache.get_or_convert(src, Recipe(target="ocp"))
     copy = tmp_path / "copy"
     shutil.copytree(src, copy)
+    _old(copy)
     entry = cache.get_or_convert(copy, Recipe(target="ocp"))
     assert (entry.outcome, entry.key, entry.path) == ("hit", first.key, first.path)
+    assert converter.finished == [True, False], "the copy's conversion was stopped, not run to the end"
     assert sorted(os.listdir(cache.entries_dir)) == [first.key]
     assert [n for n in os.listdir(cache.staging_dir)] == [] and os.listdir(cache.failures_dir) == []
 

@@ -7,7 +7,8 @@ fail and *survives* when they pass; a survivor is either a hole in the tests or 
 (its ``note`` says which). The modules covered are the ones that decide bytes and trust: ``formats.py`` and
 ``mx.py``, the host code of ``kernels.py``, ``reference.py``, ``cache/keys.py``, the source policy
 (``cache/securefs.py``, ``daemon/paths.py``) and the publish paths (``_durable.py``, ``checkpoint/convert.py``,
-``cache/store.py`` seal/publish, ``cache/manifest.py``, ``safetensors_io.py``'s writer).
+``cache/store.py`` seal/publish, ``cache/manifest.py``, ``safetensors_io.py``'s writer) and converting while
+hashing (``cache/alongside.py``).
 
 The GPU-only mutants (the PTX kernel, the ptx/portable choice) can only be caught on CPU by
 tests/test_gpu_record.py's digest check. When the copy has no tests/gpu/last_run.json, the runner writes one that
@@ -45,6 +46,7 @@ KEY_TESTS = ["tests/test_cache_keys.py"]
 PATH_TESTS = ["tests/test_api_paths.py", "tests/test_daemon_hostile.py"]
 DURABILITY_TESTS = ["tests/test_durability.py"]
 GPU_RECORD = ["tests/test_gpu_record.py", "-k", "covers"]
+ALONGSIDE_TESTS = ["tests/test_cache_alongside.py", "tests/test_cache_processes.py"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,22 @@ MUTANTS: list[Mutant] = [
     m("checkpoint-staging-kept-on-error", "transformd/checkpoint/convert.py",
       "    except BaseException as exc:\n        shutil.rmtree(staging, ignore_errors=True)\n",
       "    except BaseException as exc:\n", ["tests/test_checkpoint.py"]),
+    # -- cache/alongside.py: converting while hashing ---------------------------------------------------------------
+    m("alongside-published-under-provisional-name", "transformd/cache/store.py",
+      "                key = cache_key(ident, recipe)\n                timings[\"hash_alongside\"]",
+      "                timings[\"hash_alongside\"]", ALONGSIDE_TESTS),
+    m("alongside-key-lock-not-taken", "transformd/cache/alongside.py",
+      "            if lock.try_acquire(owner=process_identity()):\n                self.key_lock = lock",
+      "            if False:\n                self.key_lock = lock", ALONGSIDE_TESTS),
+    m("alongside-copy-not-recognised", "transformd/cache/alongside.py",
+      "                if self.key_lock is None or entry.exists():", "                if self.key_lock is None:",
+      ALONGSIDE_TESTS),
+    m("alongside-racy-files-not-excluded", "transformd/cache/store.py",
+      "unknown >= self.hash_alongside_min_bytes and settled(tree):", "unknown >= self.hash_alongside_min_bytes:",
+      ALONGSIDE_TESTS),
+    m("alongside-waiter-not-told-of-failure", "transformd/cache/store.py",
+      "                for name in {key, hasher.key if hasher is not None else None} - {None}:",
+      "                for name in {key}:", ALONGSIDE_TESTS),
 ]
 
 
