@@ -110,3 +110,15 @@ def test_this_machine_matches_torch_where_torch_sees_a_gpu() -> None:
     expected = (str(getattr(props, "gcnArchName", "")).split(":")[0] if torch.version.hip
                 else f"sm_{props.major}{props.minor}")
     assert detect_platform().arch == expected
+
+
+def test_nvidia_is_preferred_to_an_amd_integrated_gpu(monkeypatch, tmp_path: Path) -> None:
+    from transformd import platform
+
+    monkeypatch.setattr(platform, "KFD_NODES", _kfd(tmp_path / "nodes", 110003))  # an APU's iGPU (gfx1103)
+    monkeypatch.setattr(platform, "nvidia_platform", lambda: Platform("nvidia", "sm_100"))
+    assert detect_platform({}) == Platform("nvidia", "sm_100")
+    monkeypatch.setattr(platform, "nvidia_platform", lambda: None)
+    assert detect_platform({}) == Platform("amd", "gfx1103", "gfx1103")
+    monkeypatch.setattr(platform, "KFD_NODES", tmp_path / "absent")
+    assert detect_platform({}) == Platform("none")

@@ -56,9 +56,12 @@ class Platform:
 
 
 def detect_platform(environ: dict[str, str] | None = None) -> Platform:
-    """The first visible GPU (AMD through KFD, NVIDIA through the CUDA driver), or ``none``."""
+    """The first visible GPU (NVIDIA through the CUDA driver, else AMD through KFD), or ``none``.
+
+    NVIDIA first: a node with NVIDIA GPUs may also have an AMD integrated GPU in its KFD topology; a ROCm node
+    has no ``libcuda.so.1``, which fails at once."""
     env = os.environ if environ is None else environ
-    return amd_platform(KFD_NODES, env) or nvidia_platform() or Platform("none")
+    return nvidia_platform() or amd_platform(KFD_NODES, env) or Platform("none")
 
 
 def gfx_name(target_version: int) -> str:
