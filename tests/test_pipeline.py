@@ -488,3 +488,24 @@ def test_shard_order_reorders_shards_and_reports_final_files(tmp_path: Path) -> 
     convert_checkpoint(src, expected, device="cpu")
     assert_same_shards(expected, out)
     assert isinstance(order, pipeline.ShardOrder)
+
+
+def test_a_burst_of_ticks_makes_one_progress_report() -> None:
+    """Thousands of small tensors finish in bursts: the calling thread applies every waiting tick, then reports
+    once, instead of running the progress callback (and taking the interpreter from the stages) per tensor."""
+    import threading
+
+    from transformd.checkpoint.stages import Stages
+
+    stages, emitted = Stages(), threading.Event()
+
+    def burst() -> None:
+        for _ in range(1000):
+            stages.tick("a.safetensors", 1, 10)
+        emitted.set()
+
+    stages.start("burst", burst)
+    assert emitted.wait(10)
+    ticks, reports = [], []
+    stages.wait(lambda *payload: ticks.append(payload), lambda: reports.append(len(ticks)))
+    assert len(ticks) == 1000 and reports == [1000]

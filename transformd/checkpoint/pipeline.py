@@ -99,16 +99,25 @@ class Run:
     tensors_done: int = 0
     bytes_done: int = 0
     convert_bytes_done: int = 0
+    shard: str | None = None  # of the last tick
+    unreported: bool = False  # ticks since the last report
     output_tensors: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (shard, nbytes)
     stage_busy: dict[str, float] = field(default_factory=dict)  # see Stages.busy
 
     def tick(self, shard: str, tensors: int, nbytes: int, converted: int = 0) -> None:
+        """Count a finished tensor; :meth:`report` tells ``progress`` (once per burst, and for each shard)."""
+        if self.shard not in (None, shard) and self.unreported:
+            self.report()  # the last of the previous shard
         self.tensors_done += tensors
         self.bytes_done += nbytes
         self.convert_bytes_done += converted
+        self.shard, self.unreported = shard, True
+
+    def report(self) -> None:
+        self.unreported = False
         if self.progress is not None:
             self.progress(
-                Progress(phase="converting", shard=shard, tensors_done=self.tensors_done,
+                Progress(phase="converting", shard=self.shard, tensors_done=self.tensors_done,
                          tensors_total=self.plan.tensor_count, bytes_done=self.bytes_done,
                          bytes_total=self.plan.data_bytes, convert_bytes_done=self.convert_bytes_done,
                          convert_bytes_total=self.plan.convert_bytes)
@@ -133,7 +142,7 @@ def convert_shards(run: Run, devices: list[torch.device]) -> None:
     try:
         for lane in lanes:
             lane.start()
-        stages.wait(run.tick)
+        stages.wait(run.tick, run.report)
         run.stage_busy = stages.busy()
     finally:
         for lane in lanes:

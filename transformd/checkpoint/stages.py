@@ -114,21 +114,30 @@ class Stages:
         self._threads.append(thread)
         thread.start()
 
-    def wait(self, on_tick: Callable[[str, int, int, int], None]) -> None:
-        """Apply ticks until every stage has exited; on an error (or an exception here) stop all, join, raise."""
+    def wait(self, on_tick: Callable[[str, int, int, int], None], on_ticked: Callable[[], None]) -> None:
+        """Apply ticks until every stage has exited, and call ``on_ticked`` once per burst of them (every event
+        waiting is taken first: thousands of small tensors make one report, not thousands, on the thread the
+        stages share the interpreter with); on an error (or an exception here) stop all, join, raise."""
         running = len(self._threads)
         try:
             while running:
                 try:
-                    kind, payload = self._events.get(timeout=1.0)
+                    events = [self._events.get(timeout=1.0)]
                 except queue.Empty:
                     continue
-                if kind == "tick":
-                    on_tick(*payload)
-                elif kind == "error":
-                    raise payload
-                else:
-                    running -= 1
+                while not self._events.empty():
+                    events.append(self._events.get_nowait())
+                ticked = False
+                for kind, payload in events:
+                    if kind == "tick":
+                        on_tick(*payload)
+                        ticked = True
+                    elif kind == "error":
+                        raise payload
+                    else:
+                        running -= 1
+                if ticked:
+                    on_ticked()
         finally:
             self._stop.set()
             for thread in self._threads:
