@@ -21,8 +21,9 @@ class Converter(Protocol):
     value (e.g. a ConversionResult) is summarised into the manifest's ``result``. It raises on
     invalid input; the cache removes everything it wrote.
 
-    A converter may also have a ``prepare()`` method: the cache calls it when it starts hashing a source
-    whose content it does not know yet, so that a slow start-up (imports, a GPU context) overlaps the reads.
+    A converter may also have a ``prepare()`` method: the cache calls it before it starts hashing a source it
+    converts while hashing (:mod:`.alongside`), so that a slow start-up (imports, a GPU context) overlaps the
+    first reads.
     """
 
     def __call__(self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None]) -> Any: ...
@@ -56,9 +57,8 @@ class TransformdConverter:
     def prepare(self) -> None:
         """Start importing what the conversion needs in a background thread (once per process).
 
-        The cache calls this when it starts hashing a source it has not seen (a conversion will follow, unless
-        another copy of the same content is cached): the hashing releases the GIL, so the seconds of
-        ``import torch`` and CUDA's start-up pass while the source is read, not after.
+        The cache calls this before it hashes a source it converts alongside the hashing: the hashing releases
+        the GIL, so the seconds of ``import torch`` and CUDA's start-up pass while the source is read, not after.
         """
         global _warming
         with _warming_lock:

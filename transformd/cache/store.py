@@ -548,7 +548,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
             try:
                 result = converter(view, out, recipe, report)
             except BaseException as exc:
-                raise tree.relocate(exc, view)
+                raise tree.relocate(exc, view)  # the same exception, naming the source
             result = _relocate(jsonable(result), str(view), str(src))
             timings["convert"] = time.monotonic() - t
             self._hook("converted")

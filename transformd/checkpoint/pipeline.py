@@ -56,8 +56,9 @@ from .stages import SlotPool, Stages, Tally
 #
 # Host memory is therefore the slots (two pools of a fixed number of fixed-size slots, cut from
 # ``host_memory_bytes``) plus, on the CPU, the PyTorch reference's temporaries for one piece: it does not grow
-# with the checkpoint. The calling thread only waits: it calls ``progress`` for each tensor the converter hands
-# on, and when any stage fails it stops the others, joins them and raises that stage's exception.
+# with the checkpoint. The calling thread only waits: it counts the tensors the stages finish and calls ``progress``
+# once per burst of them (and per shard), and when any stage fails it stops the others, joins them and raises that
+# stage's exception. Each stage's busy time (not waiting on a channel or for a slot) is in the result.
 
 #: Largest slice of one weight (input code bytes) read and converted at once.
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
