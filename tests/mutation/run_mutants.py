@@ -69,7 +69,7 @@ MUTANTS: list[Mutant] = [
     # -- formats.py, mx.py ----------------------------------------------------------------------------------------
     m("tile-grid-off-by-one", "transformd/formats.py", "return -(-n // TILE), -(-k // TILE)",
       "return n // TILE + 1, k // TILE + 1", KERNEL_TESTS),
-    m("k-multiple-of-32-unchecked", "transformd/mx.py", "    if k % MX_BLOCK:\n", "    if False:\n", KERNEL_TESTS),
+    m("k-multiple-of-32-unchecked", "transformd/formats.py", "    if k % MX_BLOCK:\n", "    if False:\n", KERNEL_TESTS),
     m("nan-code-unchecked", "transformd/mx.py", "if bool(nan_code.any()):", "if False:", KERNEL_TESTS),
     m("e8m0-nan-unchecked", "transformd/mx.py", "nan_scale = s == E8M0_NAN", "nan_scale = s == 0xFE",
       KERNEL_TESTS),
@@ -173,7 +173,8 @@ MUTANTS: list[Mutant] = [
       "                if self.key_lock is None or entry.exists():", "                if self.key_lock is None:",
       ALONGSIDE_TESTS),
     m("alongside-racy-files-not-excluded", "transformd/cache/store.py",
-      "unknown >= self.hash_alongside_min_bytes and settled(tree):", "unknown >= self.hash_alongside_min_bytes:",
+      ">= self.hash_alongside_min_bytes\n                     and settled(tree))",
+      ">= self.hash_alongside_min_bytes)",
       ALONGSIDE_TESTS),
     m("alongside-waiter-not-told-of-failure", "transformd/cache/store.py",
       "                for name in {key, hasher.key if hasher is not None else None} - {None}:",
