@@ -23,10 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CacheTimeoutError, ConversionFailedError
 from .keys import Recipe, SourceIdentity, bytes_to_hash, cache_key, identity_of_tree, provisional_key
 from .lock import FileLock, process_identity
 from .manifest import MANIFEST_NAME
+from .status import Waiter
 
 if TYPE_CHECKING:
     from .converter import Converter
@@ -147,8 +147,12 @@ class AlongsideMixin:
             acquired = lock.try_acquire(owner=process_identity())
         except OSError as e:
             raise self._unusable(e) from e
-        if not acquired:
-            self._wait_for(slot, lock, src, progress, timeout, poll_interval)
+        if not acquired:  # another process converts this very source: wait for it, then look it up by key
+            waiter = Waiter(self, slot, src, progress, timeout, poll_interval, by_key=False)
+            while not lock.try_acquire(owner=process_identity()):
+                waiter.pause()
+            lock.release()
+            waiter.raise_if_failed()
             return None
         try:
             if not bytes_to_hash(tree, self.stat_cache, known):  # converted by another process since it was asked
@@ -165,32 +169,3 @@ class AlongsideMixin:
         finally:
             lock.release()
         return self._ready(key, lease_ttl, outcome=outcome)
-
-    def _wait_for(
-        self,
-        slot: str,
-        lock: FileLock,
-        src: str | os.PathLike[str],
-        progress: Callable[[ConversionStatus], None] | None,
-        timeout: float | None,
-        poll_interval: float,
-    ) -> None:
-        """Wait while another process holds ``slot``'s lock (converting this source), passing on its progress;
-        raise :class:`ConversionFailedError` if its conversion failed."""
-        started, deadline, last_update = time.time(), None if timeout is None else time.monotonic() + timeout, None
-        while not lock.try_acquire(owner=process_identity()):
-            if progress is not None:
-                st = self._in_flight_status(slot, waiting=True)
-                if st is not None and st.updated_at != last_update:
-                    last_update = st.updated_at
-                    progress(st)
-            if deadline is not None and time.monotonic() > deadline:
-                raise CacheTimeoutError(f"timed out after {timeout:.1f} s waiting for another process to convert "
-                                        f"{src} (cache {self.root})")
-            time.sleep(poll_interval)
-        lock.release()
-        failure = self._failure(slot)
-        if failure is not None and failure.get("at", 0) >= started:
-            error_type, detail = str(failure.get("error_type")), str(failure.get("message"))
-            raise ConversionFailedError(f"conversion of {src} failed in another process: {error_type}: {detail}",
-                                        key=slot, error_type=error_type, detail=detail)

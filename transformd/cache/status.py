@@ -16,6 +16,7 @@ from .._durable import (
     write_json_atomic,
 )
 from ..progress import Progress
+from .errors import CacheTimeoutError, ConversionFailedError
 from .keys import (
     validate_key,
 )
@@ -141,6 +142,54 @@ def _status_from_file(data: Any, *, waiting: bool = False) -> ConversionStatus |
         return None
 
 
+
+
+class Waiter:
+    """A caller waiting for another process' conversion of ``name`` (a key, or a source's provisional name):
+    passes its progress on when it changed, gives up after ``timeout`` seconds, and raises its failure when it
+    failed after the wait began. ``src`` names the source in the messages; ``by_key``: they name the key too."""
+
+    def __init__(
+        self,
+        cache: StatusMixin,
+        name: str,
+        src: Any,
+        progress: Callable[[ConversionStatus], None] | None,
+        timeout: float | None,
+        poll_interval: float,
+        *,
+        by_key: bool,
+    ):
+        self._cache, self.name, self._src, self._progress = cache, name, src, progress
+        self._timeout, self._poll_interval, self._by_key = timeout, poll_interval, by_key
+        self.started = time.time()
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._last_update: float | None = None
+
+    def pause(self) -> None:
+        """Pass on the other conversion's progress, raise :class:`CacheTimeoutError` past the deadline, sleep."""
+        if self._progress is not None:
+            st = self._cache._in_flight_status(self.name, waiting=True)
+            if st is not None and st.updated_at != self._last_update:
+                self._last_update = st.updated_at
+                self._progress(st)
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            where = f"cache key {self.name}, cache {self._cache.root}" if self._by_key else f"cache {self._cache.root}"
+            raise CacheTimeoutError(
+                f"timed out after {self._timeout:.1f} s waiting for another process to convert {self._src} ({where})"
+            )
+        time.sleep(self._poll_interval)
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`ConversionFailedError` when the conversion waited for failed after the wait began."""
+        failure = self._cache._failure(self.name)
+        if failure is not None and failure.get("at", 0) >= self.started:
+            error_type, detail = str(failure.get("error_type")), str(failure.get("message"))
+            what = f"cache key {self.name}" if self._by_key else str(self._src)
+            raise ConversionFailedError(
+                f"conversion of {what} failed in another process: {error_type}: {detail}",
+                key=self.name, error_type=error_type, detail=detail,
+            )
 
 
 class StatusMixin:

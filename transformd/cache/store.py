@@ -36,8 +36,6 @@ from .entry import Entry
 from .errors import (
     CacheError,
     CacheFullError,
-    CacheTimeoutError,
-    ConversionFailedError,
     DiskFullError,
     EntryNotFoundError,
     NotACacheError,
@@ -62,7 +60,7 @@ from .lease import (
 from .lock import FileLock, SharedExclusiveLock, process_identity
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest, jsonable
 from .securefs import SourceTree, open_source
-from .status import ConversionStatus, StatusMixin, _StatusWriter
+from .status import ConversionStatus, StatusMixin, Waiter, _StatusWriter
 from .verify import VerifyMixin
 
 #: Environment variable naming the cache root.
@@ -427,14 +425,16 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         known: SourceIdentity | None,
         expect_key: str | None,
     ) -> Entry:
-        wait_started: float | None = None
-        unknown = bytes_to_hash(tree, self.stat_cache, known)
-        if expect_key is None and unknown and unknown >= self.hash_alongside_min_bytes and settled(tree):
+        waited = False  # for another process' conversion of this source (alongside its hashing)
+        alongside = (expect_key is None and sum(f.st.st_size for f in tree.files) >= self.hash_alongside_min_bytes
+                     and settled(tree))  # (cheap checks first: the stat cache is read only when they pass)
+        unknown = bytes_to_hash(tree, self.stat_cache, known) if alongside else 0
+        if unknown and unknown >= self.hash_alongside_min_bytes:
             entry = self._convert_while_hashing(tree, src, recipe, progress, converter, timeout, lease_ttl,
                                                 poll_interval, known)
             if entry is not None:
                 return entry
-            wait_started = time.time()  # another process converted this very source: its key is now cheap to know
+            waited = True  # another process converted this very source: its key is now cheap to know
         t0 = time.monotonic()
         ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=self.check_fits, known=known)
         key = cache_key(ident, recipe)
@@ -444,11 +444,10 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                 "ask for it again"
             )
         identify_s = time.monotonic() - t0
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last_update: float | None = None
+        waiter = Waiter(self, key, src, progress, timeout, poll_interval, by_key=True) if waited else None
         lock = FileLock(self.locks_dir / f"{key}.lock")
         while True:
-            entry = self._ready(key, lease_ttl, outcome="hit" if wait_started is None else "waited")
+            entry = self._ready(key, lease_ttl, outcome="hit" if waiter is None else "waited")
             if entry is not None:
                 return entry
             self._ensure_layout()
@@ -461,14 +460,8 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                     entry = self._ready(key, lease_ttl, outcome="waited")
                     if entry is not None:
                         return entry
-                    if wait_started is not None:
-                        failure = self._failure(key)
-                        if failure is not None and failure.get("at", 0) >= wait_started:
-                            error_type, detail = str(failure.get("error_type")), str(failure.get("message"))
-                            raise ConversionFailedError(
-                                f"conversion of cache key {key} failed in another process: {error_type}: {detail}",
-                                key=key, error_type=error_type, detail=detail,
-                            )
+                    if waiter is not None:
+                        waiter.raise_if_failed()
                     self._convert_locked(
                         key,
                         Path(src).absolute(),
@@ -485,19 +478,9 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                 if entry is not None:
                     return entry
                 continue  # evicted or removed in the meantime (extremely unlikely): go round again
-            if wait_started is None:
-                wait_started = time.time()
-            if progress is not None:
-                st = self._in_flight_status(key, waiting=True)
-                if st is not None and st.updated_at != last_update:
-                    last_update = st.updated_at
-                    progress(st)
-            if deadline is not None and time.monotonic() > deadline:
-                raise CacheTimeoutError(
-                    f"timed out after {timeout:.1f} s waiting for another process to convert {src} "
-                    f"(cache key {key}, cache {self.root})"
-                )
-            time.sleep(poll_interval)
+            if waiter is None:
+                waiter = Waiter(self, key, src, progress, timeout, poll_interval, by_key=True)
+            waiter.pause()
 
     def _ready(self, key: str, lease_ttl: float | None, *, outcome: str) -> Entry | None:
         entry = self.get(key)
