@@ -21,16 +21,17 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from transformd.kernels import _mx_to_block_fp8_kernel as portable, _mx_to_block_fp8_ptx_kernel as ptx
+from transformd.kernels import _mx_to_block_fp8_kernel as kernel
 
 signature = {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*u8", "out_scale_ptr": "*fp32", "status_ptr": "*i32",
-             "N": "i32", "K": "i32", "EXACT": "constexpr", "FNUZ": "constexpr", "TILE_": "constexpr", "BLOCK_": "constexpr"}
-builds = {"cuda": (portable, GPUTarget("cuda", 90, 32)), "hip": (portable, GPUTarget("hip", "gfx942", 64)),
-          "ptx": (ptx, GPUTarget("cuda", 90, 32))}
+             "N": "i32", "K": "i32", "EXACT": "constexpr", "FNUZ": "constexpr", "PTX": "constexpr", "TILE_": "constexpr",
+             "BLOCK_": "constexpr"}
+builds = {"cuda": (False, GPUTarget("cuda", 90, 32)), "hip": (False, GPUTarget("hip", "gfx942", 64)),
+          "ptx": (True, GPUTarget("cuda", 90, 32))}
 out = {}
-for name, (kernel, target) in builds.items():
+for name, (ptx, target) in builds.items():
     for exact in (True, False):
-        constexprs = {"EXACT": exact, "FNUZ": True, "TILE_": 128, "BLOCK_": 32}
+        constexprs = {"EXACT": exact, "FNUZ": True, "PTX": ptx, "TILE_": 128, "BLOCK_": 32}
         k = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target,
                            options={"num_warps": 8, "enable_fp_fusion": False})
         binary = k.asm["hsaco" if name == "hip" else "cubin"]

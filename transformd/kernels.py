@@ -177,32 +177,6 @@ def _tile_portable(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pi
     tl.store(status_ptr, status)
 
 
-@triton.jit
-def _mx_to_block_fp8_kernel(
-    q_ptr,
-    s_ptr,
-    out_ptr,
-    out_scale_ptr,
-    status_ptr,
-    N,
-    K,
-    EXACT: tl.constexpr,
-    FNUZ: tl.constexpr,
-    TILE_: tl.constexpr,
-    BLOCK_: tl.constexpr,
-):
-    """Portable kernel over an [E, N, K] stack: grid (K tiles, N tiles, E)."""
-    pid_k = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_e = tl.program_id(2).to(tl.int64)
-    mat = pid_e * N  # the expert's first row
-    tile = (pid_e * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_k
-    _tile_portable(
-        q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tile, status_ptr + tile,
-        N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
-    )
-
-
 # --- NVIDIA fast path: inline PTX on 32-bit words of four e4m3fn codes --------------------------
 
 # f16 bits of the largest magnitude among a word's four codes (NaN codes propagate as f16 NaN,
@@ -337,7 +311,7 @@ def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, 
 
 
 @triton.jit
-def _mx_to_block_fp8_ptx_kernel(
+def _mx_to_block_fp8_kernel(
     q_ptr,
     s_ptr,
     out_ptr,
@@ -347,19 +321,26 @@ def _mx_to_block_fp8_ptx_kernel(
     K,
     EXACT: tl.constexpr,
     FNUZ: tl.constexpr,
+    PTX: tl.constexpr,
     TILE_: tl.constexpr,
     BLOCK_: tl.constexpr,
 ):
-    """NVIDIA kernel over an [E, N, K] stack: grid (K tiles, N tiles, E)."""
+    """One [E, N, K] stack: grid (K tiles, N tiles, E); ``PTX`` picks :func:`_tile_ptx` over :func:`_tile_portable`."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_e = tl.program_id(2).to(tl.int64)
-    mat = pid_e * N
+    mat = pid_e * N  # the expert's first row
     tile = (pid_e * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_k
-    _tile_ptx(
-        q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tile, status_ptr + tile,
-        N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
-    )
+    if PTX:
+        _tile_ptx(
+            q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tile, status_ptr + tile,
+            N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+        )
+    else:
+        _tile_portable(
+            q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tile, status_ptr + tile,
+            N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+        )
 
 
 # --- grouped launches: many weights, one launch -------------------------------------------------------------------
@@ -485,9 +466,8 @@ def convert_triton(
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     if kernel == "ptx" and (codes.data_ptr() % 16 or out_codes.data_ptr() % 16):
         kernel = "portable"
-    launch = _mx_to_block_fp8_ptx_kernel if kernel == "ptx" else _mx_to_block_fp8_kernel
     if e and n and k:
-        launch[(kt, nt, e)](
+        _mx_to_block_fp8_kernel[(kt, nt, e)](
             codes,
             scales,
             out_codes,
@@ -497,6 +477,7 @@ def convert_triton(
             k,
             EXACT=scale_mode is ScaleMode.EXACT,
             FNUZ=target is Target.FNUZ,
+            PTX=kernel == "ptx",
             TILE_=TILE,
             BLOCK_=MX_BLOCK,
             num_warps=num_warps or 8,
