@@ -27,7 +27,6 @@ Exit status 0 when every mutant not marked ``expected_survivor`` was killed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil

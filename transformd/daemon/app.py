@@ -384,7 +384,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     )
     async def get_checkpoint(key: KeyParam, request: Request) -> Response:
         check_key(key)
-        caller = await authorize(request, key)
+        await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
             return _json(job_view(job))
@@ -412,7 +412,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     )
     async def delete_checkpoint(key: KeyParam, request: Request) -> Response:
         check_key(key)
-        caller = await authorize(request, key)
+        await authorize(request, key)
         job = service.job(key)
         if not d.is_admin(caller) and d.creators.get(key) != caller.uid:
             raise ApiError(
@@ -445,7 +445,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     )
     async def get_files(key: KeyParam, request: Request) -> Response:
         check_key(key)
-        caller = await authorize(request, key)
+        await authorize(request, key)
         job = service.job(key)
         if job is not None and job.active:
             return _json({**await _thread(job_files, entries, job), **d.hub_origins.get(key, {})})
