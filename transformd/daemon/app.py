@@ -412,7 +412,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     )
     async def delete_checkpoint(key: KeyParam, request: Request) -> Response:
         check_key(key)
-        await authorize(request, key)
+        caller = await authorize(request, key)
         job = service.job(key)
         if not d.is_admin(caller) and d.creators.get(key) != caller.uid:
             raise ApiError(
