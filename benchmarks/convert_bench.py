@@ -326,6 +326,35 @@ def timed(cmd: list[str], package: str | None = None) -> float:
     return seconds
 
 
+def daemon_first_resolve(args: argparse.Namespace, root: Path, src: Path, package: str | None = None) -> float:
+    """Seconds from ``transformd resolve SRC`` to ready (a whole client process) against a daemon started just
+    before (not timed) with an empty cache: the first resolve of a source the daemon never saw. ``package``: as
+    in :func:`timed`."""
+    sock, cache = root / "td.sock", root / "cache-daemon"
+    env = _child_env()
+    if package is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
+    serve = [sys.executable, "-m", "transformd", "serve", "--socket", str(sock), "--cache-dir", str(cache),
+             "--allow-root", str(src.parent), "--device", args.device.split(":")[0], "--log-level", "warning"]
+    with open(root / "daemon.log", "a") as log:
+        proc = subprocess.Popen(serve, env=env, cwd=package or REPO, stdout=log, stderr=log)
+    try:
+        health = [sys.executable, "-m", "transformd", "health", "--socket", str(sock), "-q"]
+        deadline = time.monotonic() + 120
+        while subprocess.run(health, env=env, cwd=package or REPO, capture_output=True).returncode != 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not start; see {root / 'daemon.log'}")
+            time.sleep(0.2)
+        return timed([sys.executable, "-m", "transformd", "resolve", str(src), "--socket", str(sock), "--target",
+                      args.target, "--scale-mode", args.scale_mode, "--poll-interval", "0.05"], package)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+        for manifest in cache.glob("entries/*/manifest.json"):  # how the daemon got there
+            print(f"#   daemon's timings: {json.loads(manifest.read_text()).get('timings')}", file=sys.stderr)
+        remove(cache)
+
+
 def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) -> str:
     """Alternate the whole-process measurements for ``args.rounds`` rounds; return the table."""
     src, dev = Path(sample["path"]), args.device
@@ -370,6 +399,14 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
                            lambda: timed([*convert, "--out", str(root / "out")], base), root / "out")]
             steps.append(("baseline: convert --out, page cache", False,
                           lambda: timed([*convert, "--out", str(root / "out")], base), root / "out"))
+    if args.daemon:  # the first resolve through a daemon (started, not timed, after the page cache was dropped)
+        at = [name for name, *_ in steps].index("the same again (warm hit)") + 1
+        steps[at:at] = [("daemon: first resolve (cold), to ready", True,
+                         lambda: daemon_first_resolve(args, root, src), None)]
+        if args.baseline:
+            steps[at + 1:at + 1] = [("baseline: daemon first resolve (cold)", True,
+                                     lambda: daemon_first_resolve(args, root, src, str(Path(args.baseline).resolve())),
+                                     None)]
     imports = timed([sys.executable, "-c", "import torch, transformd.checkpoint, transformd.cli"])
     times: dict[str, list[float]] = {name: [] for name, *_ in steps}
     how = "?"
@@ -570,6 +607,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true", help="say what is being measured on stderr")
     p.add_argument("--whole-process", action="store_true", help="time whole CLI processes against cp -r + sync")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the whole-process measurements")
+    p.add_argument("--daemon", action="store_true",
+                   help="with --whole-process: also time a daemon's first resolve of the sample (request to ready)")
     p.add_argument("--hash-modes", action="store_true",
                    help="with --whole-process: also time the cache's cold conversion with the source hashed first, "
                         "then converted (the default hashes it alongside the conversion)")

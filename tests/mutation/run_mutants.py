@@ -8,7 +8,7 @@ fail and *survives* when they pass; a survivor is either a hole in the tests or 
 ``mx.py``, the host code of ``kernels.py``, ``reference.py``, ``cache/keys.py``, the source policy
 (``cache/securefs.py``, ``daemon/paths.py``) and the publish paths (``_durable.py``, ``checkpoint/convert.py``,
 ``cache/store.py`` seal/publish, ``cache/manifest.py``, ``safetensors_io.py``'s writer) and converting while
-hashing (``cache/alongside.py``).
+hashing (``cache/alongside.py``, and the daemon's first resolve in ``daemon/app.py`` and ``daemon/service.py``).
 
 The GPU-only mutants (the PTX kernel, the ptx/portable choice) can only be caught on CPU by
 tests/test_gpu_record.py's digest check. When the copy has no tests/gpu/last_run.json, the runner writes one that
@@ -46,6 +46,7 @@ PATH_TESTS = ["tests/test_api_paths.py", "tests/test_daemon_hostile.py"]
 DURABILITY_TESTS = ["tests/test_durability.py"]
 GPU_RECORD = ["tests/test_gpu_record.py", "-k", "covers"]
 ALONGSIDE_TESTS = ["tests/test_cache_alongside.py", "tests/test_cache_processes.py"]
+DAEMON_ALONGSIDE_TESTS = ["tests/test_daemon_alongside.py"]
 
 
 @dataclass(frozen=True)
@@ -171,13 +172,21 @@ MUTANTS: list[Mutant] = [
     m("alongside-copy-not-recognised", "transformd/cache/alongside.py",
       "                if self.key_lock is None or entry.exists():", "                if self.key_lock is None:",
       ALONGSIDE_TESTS),
-    m("alongside-racy-files-not-excluded", "transformd/cache/store.py",
-      ">= self.hash_alongside_min_bytes\n                     and settled(tree))",
-      ">= self.hash_alongside_min_bytes)",
+    m("alongside-racy-files-not-excluded", "transformd/cache/alongside.py",
+      " < self.hash_alongside_min_bytes or not settled(tree):", " < self.hash_alongside_min_bytes:",
       ALONGSIDE_TESTS),
     m("alongside-waiter-not-told-of-failure", "transformd/cache/store.py",
       "                for name in {key, hasher.key if hasher is not None else None} - {None}:",
       "                for name in {key}:", ALONGSIDE_TESTS),
+    # -- the daemon's first resolve, converting while hashing ----------------------------------------------------------
+    m("daemon-alongside-caller-not-checked", "transformd/daemon/app.py",
+      "        missing = denied(caller, pending.access)\n", "        missing = None\n", DAEMON_ALONGSIDE_TESTS),
+    m("daemon-alongside-waits-for-the-queue", "transformd/daemon/service.py",
+      "            if provisional and self.queued_count() >= free_workers:", "            if False:",
+      DAEMON_ALONGSIDE_TESTS),
+    m("daemon-alongside-never-taken", "transformd/daemon/app.py",
+      "        ident = await service.identify(source, defer=True)\n", "        ident = await service.identify(source)\n",
+      DAEMON_ALONGSIDE_TESTS),
 ]
 
 

@@ -78,6 +78,7 @@ Rules
 """
 
 from ..progress import human_bytes
+from .alongside import PendingIdentity
 from .budget import ENV_BUDGET, CacheUsage, CleanupReport, GcReport, parse_size
 from .converter import Converter, TransformdConverter
 from .entry import Entry
@@ -125,6 +126,7 @@ __all__ = [
     "Lease",
     "Manifest",
     "NotACacheError",
+    "PendingIdentity",
     "Recipe",
     "SourceError",
     "SourceIdentity",

@@ -23,7 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .keys import Recipe, SourceIdentity, bytes_to_hash, cache_key, identity_of_tree, provisional_key
+from .keys import (
+    Recipe,
+    SourceIdentity,
+    bytes_to_hash,
+    cache_key,
+    identity_of_tree,
+    provisional_files,
+    provisional_key,
+    provisional_key_of,
+    settled,
+)
 from .lock import FileLock, process_identity
 from .manifest import MANIFEST_NAME
 from .status import Waiter
@@ -42,6 +52,25 @@ class _AlreadyCached(BaseException):
     def __init__(self, key: str):
         super().__init__(key)
         self.key = key
+
+
+class PendingIdentity:
+    """A source not hashed yet, because its conversion would hash it as it reads it
+    (:meth:`AlongsideMixin.identity_unless_alongside`): what a caller may know of it without its content."""
+
+    def __init__(self, tree: SourceTree):
+        self.path = Path(tree.real)
+        self.access = tree.facts()  #: the permissions a caller needs to read it (as SourceIdentity.access)
+        self._files = provisional_files(tree)
+
+    def slot(self, recipe: Recipe) -> str:
+        """The provisional name its conversion with ``recipe`` goes by until the key is known
+        (:func:`.keys.provisional_key` of the tree as it was opened here)."""
+        return provisional_key_of(str(self.path), self._files, recipe)
+
+
+class _Deferred(Exception):
+    """Breaks out of identity_of_tree before the first byte is hashed (identity_unless_alongside)."""
 
 
 class Hasher:
@@ -114,6 +143,30 @@ class AlongsideMixin:
 
     #: Bytes to hash from which a conversion runs beside the hashing instead of after it.
     hash_alongside_min_bytes: int = 256 << 20
+
+    def hashes_alongside(self, tree: SourceTree, known: SourceIdentity | None = None) -> bool:
+        """Whether a request for ``tree`` that expects no key converts it while hashing it: it has at least
+        :attr:`hash_alongside_min_bytes` the stat cache does not know, and every file is settled."""
+        if sum(f.st.st_size for f in tree.files) < self.hash_alongside_min_bytes or not settled(tree):
+            return False  # (cheap checks first: the stat cache is read only when they pass)
+        unknown = bytes_to_hash(tree, self.stat_cache, known)
+        return 0 < unknown >= self.hash_alongside_min_bytes
+
+    def identity_unless_alongside(self, src: str | os.PathLike[str]) -> SourceIdentity | PendingIdentity:
+        """:meth:`identity`, except for a source that its conversion would hash as it reads it
+        (:meth:`hashes_alongside`): that one is not read here, and a :class:`PendingIdentity` comes back.
+        Raises :class:`CacheFullError` for a source that cannot fit, as :meth:`identity` does."""
+        with self.open_source(src) as tree:
+
+            def before_hashing(total: int) -> None:
+                self.check_fits(total)
+                if self.hashes_alongside(tree):
+                    raise _Deferred
+
+            try:
+                return identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=before_hashing)
+            except _Deferred:
+                return PendingIdentity(tree)
 
     def _convert_while_hashing(
         self,

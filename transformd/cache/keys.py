@@ -465,8 +465,17 @@ def provisional_key(tree: SourceTree, recipe: Recipe) -> str:
     names the source directory, its files' stat signatures and the recipe, not content. Two requests for the
     same unchanged directory get the same one (one converts, the other waits); any change gives another.
     """
-    doc = {"provisional": KEY_SCHEMA, "source": tree.real, "recipe": recipe.as_dict(),
-           "files": [[f.rel, *_sig(f.st)] for f in tree.files]}
+    return provisional_key_of(tree.real, provisional_files(tree), recipe)
+
+
+def provisional_files(tree: SourceTree) -> list[list[Any]]:
+    """What :func:`provisional_key` takes from a tree's files: their names and stat signatures."""
+    return [[f.rel, *_sig(f.st)] for f in tree.files]
+
+
+def provisional_key_of(real: str, files: list[list[Any]], recipe: Recipe) -> str:
+    """:func:`provisional_key` of a tree whose real path and :func:`provisional_files` were taken earlier."""
+    doc = {"provisional": KEY_SCHEMA, "source": real, "recipe": recipe.as_dict(), "files": files}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return blake3.blake3(text.encode()).hexdigest()[:KEY_HEX_LEN]
 

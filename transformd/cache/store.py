@@ -46,11 +46,9 @@ from .keys import (
     Recipe,
     SourceIdentity,
     StatCache,
-    bytes_to_hash,
     cache_key,
     hash_file,
     identity_of_tree,
-    settled,
     source_identity,
     validate_key,
 )
@@ -426,10 +424,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         expect_key: str | None,
     ) -> Entry:
         waited = False  # for another process' conversion of this source (alongside its hashing)
-        alongside = (expect_key is None and sum(f.st.st_size for f in tree.files) >= self.hash_alongside_min_bytes
-                     and settled(tree))  # (cheap checks first: the stat cache is read only when they pass)
-        unknown = bytes_to_hash(tree, self.stat_cache, known) if alongside else 0
-        if unknown and unknown >= self.hash_alongside_min_bytes:
+        if expect_key is None and self.hashes_alongside(tree, known):
             entry = self._convert_while_hashing(tree, src, recipe, progress, converter, timeout, lease_ttl,
                                                 poll_interval, known)
             if entry is not None:

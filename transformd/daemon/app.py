@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi import Path as FastApiPath
 from fastapi.responses import JSONResponse, Response
 
-from ..cache import Cache, EntryLeasedError, EntryNotFoundError, Recipe, cache_key
+from ..cache import Cache, EntryLeasedError, EntryNotFoundError, PendingIdentity, Recipe, cache_key
 from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
 from ..engines import Platform, choose_target, detect_platform
@@ -331,7 +331,12 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             real = await _thread(_readable_source, d, source, caller)
             return _json({**passthrough_view(real, reason), **hub})
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
-        ident = await service.identify(source)
+        ident = await service.identify(source, defer=True)
+        if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
+            answer = await _resolve_while_hashing(ident, source, recipe, caller, body, hub, reason)
+            if answer is not None:
+                return answer
+            ident = await service.identify(source)  # no worker free now: hash first, answer without the queue
         missing = denied(caller, ident.access) if ident.access is not None else None
         if missing is not None:
             raise _unreadable(caller, source, missing)
@@ -349,6 +354,37 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 metrics.cache_hits.inc()
                 return await _ready(info, job, reason, body.engine, hub)
         metrics.cache_misses.inc()
+        await _admit(caller, key, source, body, target)
+        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
+        assert job is not None
+        return await _answer(key, job, caller, reason, body.engine, hub)
+
+    async def _resolve_while_hashing(pending: PendingIdentity, source: str, recipe: Recipe, caller: Caller,
+                                     body: CheckpointRequest, hub: dict[str, Any], reason: str | None) -> Response | None:
+        """POST's answer for a source converted while it is hashed (read once): a job under the source's
+        provisional name, answered once the hashing has the key, as ``queued``/``converting`` (202), or ``ready``
+        when that key was cached already. None when no worker is free for it at once."""
+        missing = denied(caller, pending.access)
+        if missing is not None:
+            raise _unreadable(caller, source, missing)
+        slot = pending.slot(recipe)
+        await _admit(caller, slot, source, body, recipe.target)
+        job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True)
+        if job is None:
+            return None
+        key = await service.keyed(job)
+        d.grant(key, caller)
+        _remember_hub(d, key, hub)
+        if job.state == "ready" and job.outcome == "hit":  # a copy of content already cached
+            metrics.cache_hits.inc()
+        else:
+            metrics.cache_misses.inc()
+        return await _answer(key, job, caller, reason, body.engine, hub)
+
+    async def _admit(caller: Caller, key: str, source: str, body: CheckpointRequest, target: str) -> None:
+        """Before a request starts a job for ``key`` (unless it joins the active one): the engine's check of the
+        converted checkpoint (from the headers; 422) and the caller's limit of queued conversions (429)."""
+        job = service.job(key)
         if body.engine is not None and (job is None or not job.active):
             report = await _thread(_plan_readiness, d, source, body.select, target)
             _check_engine(report, body.engine)
@@ -362,12 +398,15 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                     "running; wait for them",
                     headers={"Retry-After": "5"},
                 )
-        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
+
+    async def _answer(key: str, job: Any, caller: Caller, reason: str | None, engine: str | None,
+                      hub: dict[str, Any]) -> Response:
+        """POST's answer once the request has a job for ``key``: the entry (200) if the job is done, else 202."""
         d.creators.setdefault(key, job.uid if job.uid is not None else caller.uid)
         if job.state == "ready":
             info = await _thread(entries.info, key)
             if info is not None:
-                return await _ready(info, job, reason, body.engine, hub)
+                return await _ready(info, job, reason, engine, hub)
         return _accepted({**job_view(job), "target_reason": reason, **hub})
 
     async def _ready(info: Any, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:

@@ -28,7 +28,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from ..cache import Cache, ConversionStatus, Entry, Recipe, SourceIdentity
+from ..cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
 from ..progress import COUNTERS, Eta, Progress
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
@@ -85,6 +85,14 @@ class Job:
         self.validation: asyncio.Task[None] | None = None
         self._progress = Progress("validating", updated_at=self.created_at)
         self._eta = Eta()
+        #: the provisional name of a job started before its key was known (its source is hashed as it converts,
+        #: read once); ``key`` is that name until :meth:`ConversionService.keyed` has the real one
+        self.slot: str | None = None
+        self.keyed: asyncio.Future[str] | None = None  #: the key, for a job with a slot (event loop)
+        #: called (from the worker thread) with the content key once the conversion's status names it
+        self.on_key: Callable[[str], None] | None = None
+        #: called (from any thread) with the error when the job fails
+        self.on_fail: Callable[[ApiError], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -115,6 +123,8 @@ class Job:
             raise ConversionCancelled(self.key)
         if status.staging_dir:
             self.staging_dir = status.staging_dir
+        if self.slot is not None and self.on_key is not None and status.key != self.slot:
+            self.on_key(status.key)  # the hashing beside the conversion has the key
         phase = "waiting" if status.waiting else ("publishing" if status.state == "publishing" else "converting")
         changes: dict[str, Any] = {"phase": phase}
         update = status.progress
@@ -143,6 +153,8 @@ class Job:
         )
         self.finished_at = time.time()
         self.state = "ready"
+        if self.slot is not None and self.on_key is not None:
+            self.on_key(entry.key)  # (a content already cached is found before any status names its key)
 
     def fail(self, error: ApiError, outcome: str) -> None:
         self.error = error
@@ -150,6 +162,8 @@ class Job:
         self._set_progress(phase="failed", eta_s=None, rate_bytes_per_s=None)
         self.finished_at = time.time()
         self.state = "failed"
+        if self.on_fail is not None:
+            self.on_fail(error)
 
 
 class ConversionService:
@@ -175,7 +189,7 @@ class ConversionService:
         self.max_queued = max(0, max_queued)
         self._on_change = on_change
         self._jobs: dict[str, Job] = {}
-        self._identifying: dict[str, asyncio.Future[SourceIdentity]] = {}
+        self._identifying: dict[tuple[str, bool], asyncio.Future[SourceIdentity | PendingIdentity]] = {}
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._closing = False
@@ -250,20 +264,24 @@ class ConversionService:
 
     # ------------------------------------------------------------------ identify (coalesced, in a thread)
 
-    async def identify(self, source: str) -> SourceIdentity:
+    async def identify(self, source: str, *, defer: bool = False) -> SourceIdentity | PendingIdentity:
         """Check ``source`` against the allowed roots and compute its content identity.
+
+        ``defer``: a source that its conversion would hash as it reads it (large and unknown to the stat cache,
+        :meth:`~transformd.cache.Cache.hashes_alongside`) is not hashed here: a :class:`PendingIdentity` comes
+        back, for :meth:`ensure_job` with ``provisional=True``.
 
         Concurrent calls for the same source share one thread. Raises :class:`ApiError`.
         """
-        fut = self._identifying.get(source)
+        fut = self._identifying.get((source, defer))
         if fut is None:
             fut = asyncio.ensure_future(
-                anyio.to_thread.run_sync(self._identify_blocking, source, limiter=self.source_limiter())
+                anyio.to_thread.run_sync(self._identify_blocking, source, defer, limiter=self.source_limiter())
             )
-            self._identifying[source] = fut
+            self._identifying[source, defer] = fut
 
-            def forget(f: asyncio.Future[SourceIdentity]) -> None:
-                self._identifying.pop(source, None)
+            def forget(f: asyncio.Future[SourceIdentity | PendingIdentity]) -> None:
+                self._identifying.pop((source, defer), None)
                 if not f.cancelled():
                     f.exception()  # retrieved here, so a caller that went away leaves no warning
 
@@ -275,9 +293,9 @@ class ConversionService:
         except Exception as exc:
             raise error_for_exception(exc) from exc
 
-    def _identify_blocking(self, source: str) -> SourceIdentity:
+    def _identify_blocking(self, source: str, defer: bool) -> SourceIdentity | PendingIdentity:
         self.policy.check_allowed(source)
-        return self.cache.identity(source)
+        return self.cache.identity_unless_alongside(source) if defer else self.cache.identity(source)
 
     def _plan_blocking(self, job: Job) -> ConversionOutline | None:
         """The converter's check of the job's source, reading only the checked descriptors (a view)."""
@@ -295,11 +313,14 @@ class ConversionService:
         return sum(1 for j in self._jobs.values() if j.active and j.uid == uid)
 
     async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None,
-                         identity: SourceIdentity | None = None) -> Job:
+                         identity: SourceIdentity | None = None, provisional: bool = False) -> Job | None:
         """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
 
         ``identity``: the request's identity of the source (:meth:`identify`), so the conversion does not read
-        the source again to key it.
+        the source again to key it. ``provisional``: ``key`` is a :class:`PendingIdentity`'s slot; the job
+        converts the source while hashing it (:meth:`keyed` waits for the key). It is started only when a worker
+        is free for it at once (else None: the caller hashes first, so that its answer does not wait for the
+        queue).
 
         Raises :class:`ApiError`: 422 invalid checkpoint (for every request waiting on the check), 503 queue
         full or shutting down.
@@ -310,6 +331,8 @@ class ConversionService:
                 raise ApiError(503, "shutting_down", "the daemon is shutting down; retry against its successor")
             running = sum(1 for j in self._jobs.values() if j.state == "converting")
             free_workers = max(0, self.max_concurrent - running)
+            if provisional and self.queued_count() >= free_workers:  # (jobs being checked count as queued)
+                return None
             if self.queued_count() >= self.max_queued + free_workers:
                 raise ApiError(
                     503,
@@ -319,14 +342,51 @@ class ConversionService:
                     headers={"Retry-After": "5"},
                 )
             self._prune()
+            prepare = getattr(self.converter, "prepare", None)
+            if prepare is not None:  # torch's import and the GPU's start-up overlap the check and the hashing
+                prepare()
             job = Job(key, source, recipe)
             job.uid = uid
             job.identity = identity
+            if provisional:
+                self._provisional(job)
             self._jobs[key] = job
             job.validation = asyncio.ensure_future(self._validate(job))
         assert job.validation is not None
         await asyncio.shield(job.validation)
         return job
+
+    def _provisional(self, job: Job) -> None:
+        """Make ``job`` one that learns its key as it converts (event loop)."""
+        loop = asyncio.get_running_loop()
+        job.slot = job.key
+        keyed: asyncio.Future[str] = loop.create_future()
+        keyed.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved: a caller may have left)
+        job.keyed = keyed
+
+        def found(key: str) -> None:  # event loop
+            if keyed.done():
+                return
+            if self._jobs.get(job.key) is job:
+                del self._jobs[job.key]
+            current = self._jobs.get(key)
+            if current is None or not current.active:  # (else: a request that hashed first runs it too; the
+                self._jobs[key] = job  # cache's lock makes one of them wait for the other)
+            job.key = key
+            keyed.set_result(key)
+
+        def failed(error: ApiError) -> None:  # event loop
+            if not keyed.done():
+                keyed.set_exception(error)
+
+        job.on_key = lambda key: loop.call_soon_threadsafe(found, key)
+        job.on_fail = lambda error: loop.call_soon_threadsafe(failed, error)
+
+    async def keyed(self, job: Job) -> str:
+        """The content key of a ``provisional`` job, once the hashing beside its conversion has it (or the
+        conversion ended); raises the job's :class:`ApiError` if it failed first."""
+        assert job.keyed is not None, "not a provisional job"
+        return await asyncio.shield(job.keyed)
 
     async def _validate(self, job: Job) -> None:
         try:
@@ -383,7 +443,7 @@ class ConversionService:
                 progress=job.on_status,
                 converter=bind_shard_order(self.converter, job.priority, job.outline.plan if job.outline else None),
                 identity=job.identity,
-                expect_key=job.key,
+                expect_key=None if job.slot is not None else job.key,
                 poll_interval=POLL_INTERVAL_S,
             )
             outcome = {"converted": "converted", "waited": "waited"}.get(entry.outcome, "hit")
