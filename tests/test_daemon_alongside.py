@@ -257,3 +257,20 @@ def test_a_caller_who_cannot_read_the_source_is_refused_before_anything_is_read(
         assert not list((base / "cache" / "staging").iterdir())
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_resolve_says_what_it_waits_for_while_the_daemon_keys_a_new_checkpoint(start, models, monkeypatch, capsys):
+    """No progress can be shown before the answer, which comes once the key is known: ``resolve`` says why."""
+    from transformd.cli import main
+    from transformd.cli import resolve as resolve_cli
+
+    monkeypatch.setattr(resolve_cli, "IDENTIFY_NOTICE_S", 0.1)
+    src = _old(write_sample_checkpoint(models / "sample", layers=1, experts=2))
+    gate = _Gate(monkeypatch, closed=True)
+    daemon = start()
+    threading.Timer(1.5, gate.opened.set).start()
+    code = main(["resolve", str(src), "--socket", str(daemon.socket_path), "--target", "ocp"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"the daemon is reading {src} to key it" in err, err
+    assert Path(out.strip().splitlines()[-1]).is_dir()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -45,6 +46,8 @@ __all__ = ["ProgressReporter", "add_commands", "run_health", "run_resolve"]
 TARGETS = TARGET_CHOICES
 ENGINES = tuple(e.value for e in Engine)
 SCALE_MODES = ("exact", "amax")
+#: Seconds without an answer to the request after which ``resolve`` says what the daemon is doing.
+IDENTIFY_NOTICE_S = 3.0
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -120,11 +123,19 @@ def run_resolve(args: argparse.Namespace) -> int:
     """Handler of ``transformd resolve``."""
     reporter = ProgressReporter(sys.stderr, every_s=args.progress_every)
     last: list[CheckpointStatus] = []
+    # The daemon answers the request once it has the checkpoint's key: for a large checkpoint it never saw, that
+    # takes a read of the whole checkpoint (converted at the same time), with no progress to show until then.
+    waiting = threading.Timer(IDENTIFY_NOTICE_S, lambda: last or reporter.notice(
+        f"the daemon is reading {args.src} to key it (a checkpoint it has not seen is converted at the same "
+        "time); progress shows once it has the key"))
+    waiting.daemon = True
 
     def progress(status: CheckpointStatus) -> None:
+        waiting.cancel()
         last[:] = [status]
         reporter.update(status)
 
+    waiting.start()
     try:
         with _client(args) as client:
             path = client.resolve(
@@ -146,6 +157,8 @@ def run_resolve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         reporter.close()
         return fail("interrupted (the conversion goes on in the daemon)", 130)
+    finally:
+        waiting.cancel()
     reporter.close()
     if last:
         _say_target_and_readiness(last[0].raw, args.engine)
