@@ -2,9 +2,10 @@
 
 A source whose files the stat cache does not know must be read to be keyed. Hashing it first and converting it
 afterwards reads it twice (the second time from the page cache at best) and serialises the two. Instead, one
-thread hashes while the conversion runs (:meth:`AlongsideMixin._convert_while_hashing`): the hasher runs ahead
-on the same checked descriptors, so the converter's reads of the same pages come from the page cache, and the
-key is known by the time the conversion ends. The entry is published under it, unless an entry already has it
+thread hashes while the conversion runs (:meth:`AlongsideMixin._convert_while_hashing`) on the same checked
+descriptors: whichever of the two reads a page first reads it from the disk, the other from the page cache, and
+the key is known by the time the conversion ends (when the converter starts late, the hasher runs ahead; when
+both start together, as in the daemon, they read the files side by side and the key comes near the end). The entry is published under it, unless an entry already has it
 (another copy of the same content): the conversion then stops as soon as the key is known, its staging is
 removed, and that entry is returned. While the key is unknown the conversion goes by a provisional, key-shaped
 name (:func:`.keys.provisional_key`: the directory, its files' stat signatures, the recipe), so staging,
