@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -407,6 +408,8 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
             steps[at + 1:at + 1] = [("baseline: daemon first resolve (cold)", True,
                                      lambda: daemon_first_resolve(args, root, src, str(Path(args.baseline).resolve())),
                                      None)]
+    if args.skip:
+        steps = [step for step in steps if not re.search(args.skip, step[0])]
     imports = timed([sys.executable, "-c", "import torch, transformd.checkpoint, transformd.cli"])
     times: dict[str, list[float]] = {name: [] for name, *_ in steps}
     how = "?"
@@ -607,6 +610,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true", help="say what is being measured on stderr")
     p.add_argument("--whole-process", action="store_true", help="time whole CLI processes against cp -r + sync")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the whole-process measurements")
+    p.add_argument("--skip", metavar="REGEX", help="with --whole-process: leave out the steps whose name matches")
     p.add_argument("--daemon", action="store_true",
                    help="with --whole-process: also time a daemon's first resolve of the sample (request to ready)")
     p.add_argument("--hash-modes", action="store_true",

@@ -124,7 +124,7 @@ class Job:
         if status.staging_dir:
             self.staging_dir = status.staging_dir
         if self.slot is not None and self.on_key is not None and status.key != self.slot:
-            self.on_key(status.key)  # the hashing beside the conversion has the key
+            self._tell_key(status.key)  # the hashing beside the conversion has the key
         phase = "waiting" if status.waiting else ("publishing" if status.state == "publishing" else "converting")
         changes: dict[str, Any] = {"phase": phase}
         update = status.progress
@@ -154,7 +154,12 @@ class Job:
         self.finished_at = time.time()
         self.state = "ready"
         if self.slot is not None and self.on_key is not None:
-            self.on_key(entry.key)  # (a content already cached is found before any status names its key)
+            self._tell_key(entry.key)  # (a content already cached is found before any status names its key)
+
+    def _tell_key(self, key: str) -> None:
+        tell, self.on_key = self.on_key, None  # once
+        if tell is not None:
+            tell(key)
 
     def fail(self, error: ApiError, outcome: str) -> None:
         self.error = error
