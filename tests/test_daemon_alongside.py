@@ -274,3 +274,44 @@ def test_resolve_says_what_it_waits_for_while_the_daemon_keys_a_new_checkpoint(s
     assert code == 0, err
     assert f"the daemon is reading {src} to key it" in err, err
     assert Path(out.strip().splitlines()[-1]).is_dir()
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["before-the-key", "after-the-key"])
+def test_shutdown_cancels_a_conversion_started_before_its_key_and_leaves_nothing(start, models, monkeypatch, keyed):
+    """Stopping the daemon while a first resolve converts: the request ends (it is not left hanging), the
+    conversion stops at its next progress update, and neither staging nor an entry is left."""
+    from .support.fakes import CopyConverter, write_source
+
+    src = write_source(models / "m", seed=3)  # (backdated: settled)
+    gate = _Gate(monkeypatch, closed=not keyed)
+    daemon = start(CopyConverter(delay=3.0, steps=60), shutdown_grace_s=1)
+    service, cache, answers = daemon.daemon.service, daemon.daemon.cache, []
+
+    def post() -> None:
+        try:
+            with daemon.client() as http:
+                answers.append(http.post("/v1/checkpoints", json={"source": str(src), "target": "ocp"}).status_code)
+        except Exception as e:  # noqa: BLE001 - the connection may be closed by the stopping server
+            answers.append(type(e).__name__)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not any(j.slot is not None and j.state == "converting" for j in service.active_jobs()) or (
+        keyed and not answers
+    ):
+        assert time.monotonic() < deadline, "the conversion did not start"
+        time.sleep(0.02)
+    job = next(j for j in service._jobs.values() if j.slot is not None)
+    try:
+        daemon.stop()
+    finally:
+        gate.opened.set()  # the hashing thread finishes its file; the conversion was cancelled meanwhile
+    thread.join(30)
+    assert answers == [202 if keyed else 503], "answered before the stop, or told the daemon stops (not cut off)"
+    deadline = time.monotonic() + 30
+    while job.state != "failed" or any(cache.staging_dir.iterdir()):
+        assert time.monotonic() < deadline, (job.state, list(cache.staging_dir.iterdir()))
+        time.sleep(0.02)
+    assert job.error.code == "cancelled", job.error
+    assert list(cache.entries_dir.iterdir()) == []

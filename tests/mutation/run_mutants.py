@@ -184,6 +184,8 @@ MUTANTS: list[Mutant] = [
     m("daemon-alongside-waits-for-the-queue", "transformd/daemon/service.py",
       "            if provisional and self.queued_count() >= free_workers:", "            if False:",
       DAEMON_ALONGSIDE_TESTS),
+    m("daemon-stopping-not-told", "transformd/daemon/server.py",
+      "        if self._on_stopping is not None:\n            self._on_stopping()\n", "", DAEMON_ALONGSIDE_TESTS),
     m("daemon-alongside-never-taken", "transformd/daemon/app.py",
       "        ident = await service.identify(source, defer=True)\n", "        ident = await service.identify(source)\n",
       DAEMON_ALONGSIDE_TESTS),

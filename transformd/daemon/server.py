@@ -176,6 +176,21 @@ def _http_protocol(settings: Settings) -> type:
     return peer_protocol(base, max_connections=limits, header_timeout_s=settings.header_timeout_s)
 
 
+class DaemonServer(uvicorn.Server):
+    """uvicorn's server, which tells the app that it stops (``on_stopping``) before it waits for the requests in
+    flight: a request waiting for the key of a conversion is answered 503 at once, instead of being cut off (500)
+    when the grace period ends."""
+
+    def __init__(self, config: uvicorn.Config, on_stopping: Callable[[], None] | None = None):
+        super().__init__(config)
+        self._on_stopping = on_stopping
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._on_stopping is not None:
+            self._on_stopping()
+        await super().shutdown(sockets)
+
+
 def build_server(app: Any, settings: Settings) -> uvicorn.Server:
     config = uvicorn.Config(
         app,
@@ -190,7 +205,8 @@ def build_server(app: Any, settings: Settings) -> uvicorn.Server:
         backlog=BACKLOG,
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
     )
-    return uvicorn.Server(config)
+    daemon = getattr(getattr(app, "state", None), "daemon", None)
+    return DaemonServer(config, on_stopping=daemon.service.stopping if daemon is not None else None)
 
 
 async def run_server(

@@ -49,6 +49,10 @@ SOURCE_THREADS = 16
 POLL_INTERVAL_S = 0.2
 
 
+def _shutting_down() -> ApiError:
+    return ApiError(503, "shutting_down", "the daemon is shutting down; retry against its successor")
+
+
 class ConversionCancelled(BaseException):
     """Raised from the progress callback to stop a conversion when the daemon shuts down.
 
@@ -231,6 +235,14 @@ class ConversionService:
 
         await anyio.to_thread.run_sync(join)
 
+    def stopping(self) -> None:
+        """The server begins to stop (event loop): no new jobs; a request waiting for a job's key gets 503 now
+        (the job goes on until :meth:`close` cancels it, and is published if it finishes before)."""
+        self._closing = True
+        for job in self._jobs.values():
+            if job.keyed is not None and not job.keyed.done():
+                job.keyed.set_exception(_shutting_down())
+
     @property
     def closing(self) -> bool:
         return self._closing
@@ -333,7 +345,7 @@ class ConversionService:
         job = self._jobs.get(key)
         if job is None or not job.active:
             if self._closing:
-                raise ApiError(503, "shutting_down", "the daemon is shutting down; retry against its successor")
+                raise _shutting_down()
             running = sum(1 for j in self._jobs.values() if j.state == "converting")
             free_workers = max(0, self.max_concurrent - running)
             if provisional and self.queued_count() >= free_workers:  # (jobs being checked count as queued)
@@ -403,7 +415,7 @@ class ConversionService:
             self.metrics.conversions.labels(outcome).inc()
             raise err from None
         if self._closing:
-            err = ApiError(503, "shutting_down", "the daemon is shutting down; retry against its successor")
+            err = _shutting_down()
             job.fail(err, "cancelled")
             raise err
         job.queued(outline)
