@@ -230,3 +230,30 @@ def test_a_failed_hashing_stops_the_conversion_beside_it(tmp_path, monkeypatch):
     converting = [u for u in updates if u.state == "converting" and u.detail]
     assert len(converting) <= 1, "stopped at its first progress update"
     assert os.listdir(cache.entries_dir) == [] and os.listdir(cache.staging_dir) == []
+
+
+def test_the_key_is_locked_before_the_stat_cache_tells_other_processes_the_key(tmp_path, monkeypatch):
+    """A request that finds the key through the stat cache (cheaply, without hashing) must find the key's lock
+    held by this conversion and wait for it; were the lock taken after the digests were saved, it could take the
+    lock first and convert a second time (seen as a rare failure of the six-process test)."""
+    from transformd.cache.lock import FileLock
+
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
+    cache = _cache(tmp_path / "cache")
+    key = keys.cache_key(keys.source_identity(src), Recipe(target="ocp"))
+    held: list[bool] = []
+    real_save = keys.StatCache.save
+
+    def save(self, *args, **kwargs):
+        other = FileLock(cache.locks_dir / f"{key}.lock")  # another open file: flock tells holders apart
+        if other.try_acquire():
+            other.release()
+            held.append(False)
+        else:
+            held.append(True)
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(keys.StatCache, "save", save)
+    entry = cache.get_or_convert(src, Recipe(target="ocp"))
+    assert entry.key == key and "hash_alongside" in entry.manifest.timings
+    assert held == [True], "the key's lock was free when the stat cache learned the digests"

@@ -76,8 +76,8 @@ class _Deferred(Exception):
 
 class Hasher:
     """The thread that hashes a source beside its conversion, and what it found: the identity, the key, and
-    that key's lock, which it takes at once, so that a request which now knows the key (from the stat cache
-    the hashing just filled) waits for this conversion instead of starting its own."""
+    that key's lock, which it takes before the stat cache learns the digests, so that a request which finds the
+    key there waits for this conversion instead of starting its own."""
 
     def __init__(self, cache: AlongsideMixin, tree: SourceTree, recipe: Recipe, known: SourceIdentity | None):
         self._cache, self._tree, self._recipe, self._known = cache, tree, recipe, known
@@ -92,13 +92,18 @@ class Hasher:
 
     def _run(self) -> None:
         t0 = time.monotonic()
-        try:
-            ident = identity_of_tree(self._tree, stat_cache=self._cache.stat_cache, known=self._known,
-                                     cancelled=self._stop.is_set)
+        key: str | None = None
+
+        def lock_key(ident: SourceIdentity) -> None:  # before the stat cache tells other processes the key
+            nonlocal key
             key = cache_key(ident, self._recipe)
             lock = FileLock(self._cache.locks_dir / f"{key}.lock")
             if lock.try_acquire(owner=process_identity()):
                 self.key_lock = lock
+
+        try:
+            ident = identity_of_tree(self._tree, stat_cache=self._cache.stat_cache, known=self._known,
+                                     cancelled=self._stop.is_set, before_saving=lock_key)
             self.identity, self.key, self.seconds = ident, key, time.monotonic() - t0
         except BaseException as exc:  # noqa: BLE001 - handed to the converting thread by result()
             self._error = exc

@@ -356,6 +356,7 @@ def identity_of_tree(
     before_hashing: Callable[[int], None] | None = None,
     known: SourceIdentity | None = None,
     cancelled: Callable[[], bool] | None = None,
+    before_saving: Callable[[SourceIdentity], None] | None = None,
 ) -> SourceIdentity:
     """The identity of the files of an opened :class:`SourceTree`, hashing what the stat cache does not know.
 
@@ -370,6 +371,8 @@ def identity_of_tree(
     the bytes. Modification times never stand in for content. ``before_hashing(total bytes of the source)`` is
     called once before the first byte is hashed (a size check that may raise: no work before limits).
     ``cancelled()`` is asked before each file is hashed; true raises :class:`HashingCancelled`.
+    ``before_saving(identity)`` runs before the stat cache learns the new digests (from then on other processes
+    find the key without hashing): the hashing beside a conversion takes the key's lock there.
     """
     src_real = tree.real
     remembered, just_read = _remembered(tree, stat_cache, known)
@@ -418,9 +421,12 @@ def identity_of_tree(
                 updated[rel] = [*sig, digest]
         records.append(FileRecord(rel, st.st_size, digest))
         sigs.append(sig)
+    identity = SourceIdentity(tuple(records), Path(src_real), tuple(sigs), hashed_files, hashed_bytes, tree.facts())
+    if before_saving is not None:
+        before_saving(identity)
     if stat_cache is not None and updated != remembered:
         stat_cache.save(src_real, updated)
-    return SourceIdentity(tuple(records), Path(src_real), tuple(sigs), hashed_files, hashed_bytes, tree.facts())
+    return identity
 
 
 class HashingCancelled(Exception):
