@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]

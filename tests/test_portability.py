@@ -24,8 +24,8 @@ from triton.compiler import ASTSource
 from transformd.kernels import _mx_to_block_fp8_kernel as kernel
 
 signature = {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*u8", "out_scale_ptr": "*fp32", "status_ptr": "*i32",
-             "N": "i32", "K": "i32", "EXACT": "constexpr", "FNUZ": "constexpr", "PTX": "constexpr", "TILE_": "constexpr",
-             "BLOCK_": "constexpr"}
+             "N": "i32", "K": "i32", "EXACT": "constexpr", "FNUZ": "constexpr", "PTX": "constexpr",
+             "TILE_": "constexpr", "BLOCK_": "constexpr"}
 builds = {"cuda": (False, GPUTarget("cuda", 90, 32)), "hip": (False, GPUTarget("hip", "gfx942", 64)),
           "ptx": (True, GPUTarget("cuda", 90, 32))}
 out = {}

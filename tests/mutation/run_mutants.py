@@ -190,7 +190,8 @@ MUTANTS: list[Mutant] = [
     m("daemon-stopping-not-told", "transformd/daemon/server.py",
       "        if self._on_stopping is not None:\n            self._on_stopping()\n", "", DAEMON_ALONGSIDE_TESTS),
     m("daemon-alongside-never-taken", "transformd/daemon/app.py",
-      "        ident = await service.identify(source, defer=True)\n", "        ident = await service.identify(source)\n",
+      "        ident = await service.identify(source, defer=True)\n",
+      "        ident = await service.identify(source)\n",
       DAEMON_ALONGSIDE_TESTS),
 ]
 

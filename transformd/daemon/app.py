@@ -359,8 +359,10 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         assert job is not None
         return await _answer(key, job, caller, reason, body.engine, hub)
 
-    async def _resolve_while_hashing(pending: PendingIdentity, source: str, recipe: Recipe, caller: Caller,
-                                     body: CheckpointRequest, hub: dict[str, Any], reason: str | None) -> Response | None:
+    async def _resolve_while_hashing(
+        pending: PendingIdentity, source: str, recipe: Recipe, caller: Caller, body: CheckpointRequest,
+        hub: dict[str, Any], reason: str | None,
+    ) -> Response | None:
         """POST's answer for a source converted while it is hashed (read once): a job under the source's
         provisional name, answered once the hashing has the key, as ``queued``/``converting`` (202), or ``ready``
         when that key was cached already. None when no worker is free for it at once."""
