@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from transformd import cli
+from transformd.errors import CheckpointError
 from transformd.sample import write_sample_checkpoint
 
 from .support.checkpoints import O, SHARD_B, assert_converted, default_shards, poke, set_tensor, write_checkpoint
@@ -274,6 +275,13 @@ def test_a_cache_hit_reports_the_readiness_its_conversion_recorded(tmp_path: Pat
     _, again, warm = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu", "--target", "ocp")
     assert again == first and [line for line in warm if line.startswith("transformd: warning: ")] == warnings
     assert "found in the cache" in warm[-1] and not [p for p in read if p.startswith(str(root))], read
+    # with --engine too: the engine check of a hit is the recorded readiness, not a plan of the source's headers
+    code, _, refused = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu", "--engine", "vllm")
+    assert read == [], "no header read on a hit, of the source or of the entry"
+    with pytest.raises(CheckpointError) as planned:  # what the check from the source's headers says
+        plan.check_engine(plan.plan_readiness(plan.plan_conversion(src), "ocp"), "vllm", src)
+    assert code == 2 and refused == [f"transformd: error: {planned.value}"], refused
+    read.clear()
     manifest = Path(first[-1]).parent / "manifest.json"
     data = json.loads(manifest.read_text())
     del data["result"]["readiness"]
