@@ -126,8 +126,8 @@ def run_resolve(args: argparse.Namespace) -> int:
     # The daemon answers the request once it has the checkpoint's key: for a large checkpoint it never saw, that
     # takes a read of the whole checkpoint (converted at the same time), with no progress to show until then.
     waiting = threading.Timer(IDENTIFY_NOTICE_S, lambda: last or reporter.notice(
-        f"the daemon is reading {args.src} to key it (a checkpoint it has not seen is converted at the same "
-        "time); progress shows once it has the key"))
+        f"the daemon is reading {args.src} to key it (a large checkpoint new to it is converted as it is read, "
+        "when a conversion worker is free); progress shows once it has the key"))
     waiting.daemon = True
 
     def progress(status: CheckpointStatus) -> None:
