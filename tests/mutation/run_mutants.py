@@ -164,7 +164,7 @@ MUTANTS: list[Mutant] = [
       "    except BaseException as exc:\n", ["tests/test_checkpoint.py"]),
     # -- cache/alongside.py: converting while hashing ---------------------------------------------------------------
     m("alongside-published-under-provisional-name", "transformd/cache/store.py",
-      "                key = cache_key(ident, recipe)\n                timings[\"hash_alongside\"]",
+      "                key = hasher.key\n                timings[\"hash_alongside\"]",
       "                timings[\"hash_alongside\"]", ALONGSIDE_TESTS),
     m("alongside-key-lock-not-taken", "transformd/cache/alongside.py",
       "            if lock.try_acquire(owner=process_identity()):\n                self.key_lock = lock",

@@ -538,7 +538,8 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                 )
             if hasher is not None:  # the content's key, from the reads the conversion shared
                 ident = hasher.result()
-                key = cache_key(ident, recipe)
+                assert hasher.key is not None  # (the hasher keyed ``ident`` with this recipe)
+                key = hasher.key
                 timings["hash_alongside"] = hasher.seconds
             t = time.monotonic()
             writer.set_state("publishing")
