@@ -290,3 +290,19 @@ def test_a_cache_hit_reports_the_readiness_its_conversion_recorded(tmp_path: Pat
     _, _, older = _run(capsys, "convert", src, "--cache-dir", root, "--device", "cpu", "--target", "ocp")
     assert [line for line in older if line.startswith("transformd: warning: ")] == warnings
     assert [p for p in read if p.startswith(str(root))], "computed from the entry's headers"
+
+
+def test_the_engine_check_of_a_cache_conversion_does_not_read_the_source_twice(tmp_path: Path, capsys,
+                                                                                monkeypatch) -> None:
+    """``--engine`` looks the source's key up before converting; the conversion then reuses that identity, even for
+    files written moments ago (which the stat cache does not remember yet): each file is hashed once."""
+    from transformd.cache import keys
+
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)  # just written: inside the racy window
+    hashed: list[str] = []
+    real = keys.hash_file
+    monkeypatch.setattr(keys, "hash_file", lambda p: hashed.append(os.path.basename(os.readlink(p))) or real(p))
+    code, out, err = _run(capsys, "convert", src, "--cache-dir", tmp_path / "cache", "--device", "cpu",
+                          "--engine", "vllm")
+    assert code == 0 and "transformd: converted " in err[-1], err
+    assert sorted(hashed) == sorted(p.name for p in src.iterdir() if p.is_file()), "each file hashed once"

@@ -163,7 +163,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
-    from ..cache import Cache, Recipe
+    from ..cache import Cache, PendingIdentity, Recipe, cache_key
     from ..checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
     from ..progress import ConvertProgress
 
@@ -171,13 +171,19 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
     cache = Cache(args.cache_dir, device=args.device)
     recipe = Recipe(target=target, scale_mode=args.scale_mode, select=args.select)
+    known = None  # the source's identity, when the engine check below computed it (not read again to convert)
     if args.engine is not None:  # refuse before converting (headers only); the cache checks everything else
-        cached = _cached_entry(cache, args.src, recipe)
-        report = _recorded_readiness(cached) if cached is not None else None  # a hit: what its conversion found
+        # a hit is checked against what its conversion recorded; a large source the stat cache does not know is
+        # not hashed here (it is converted while hashed), nor is its entry looked up
+        identity = cache.identity_unless_alongside(args.src)
+        known = None if isinstance(identity, PendingIdentity) else identity
+        cached = None if known is None else cache.get(cache_key(known, recipe))
+        report = _recorded_readiness(cached) if cached is not None else None
         check_engine(report or plan_readiness(plan_conversion(args.src, select=args.select), target), args.engine,
                      args.src)
     with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
-        entry = cache.get_or_convert(args.src, recipe, progress=lambda status: bar.update(status.progress))
+        entry = cache.get_or_convert(args.src, recipe, progress=lambda status: bar.update(status.progress),
+                                     identity=known)
     _print_outcome(_recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:
@@ -186,15 +192,6 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         print(compare_checkpoints(args.src, entry.path).format_table(legend=True))
     print(entry.path)
     return EXIT_OK
-
-
-def _cached_entry(cache, src, recipe):
-    """The entry of ``src`` converted with ``recipe`` when the cache has it and its key is known without reading
-    the source for it (a large source the stat cache does not know is converted while it is hashed: None)."""
-    from ..cache import PendingIdentity, cache_key
-
-    identity = cache.identity_unless_alongside(src)
-    return None if isinstance(identity, PendingIdentity) else cache.get(cache_key(identity, recipe))
 
 
 def _recorded_readiness(entry) -> dict | None:
