@@ -509,3 +509,28 @@ def test_a_burst_of_ticks_makes_one_progress_report() -> None:
     ticks, reports = [], []
     stages.wait(lambda *payload: ticks.append(payload), lambda: reports.append(len(ticks)))
     assert len(ticks) == 1000 and reports == [1000]
+
+
+def test_ticks_waiting_with_an_error_are_reported_before_it_is_raised() -> None:
+    """A stage that finished tensors and then failed: the caller's last progress report counts those tensors
+    (what was done before the failure), even when the ticks and the error are taken in one burst."""
+    import time
+
+    from transformd.checkpoint.stages import Stages
+
+    stages = Stages()
+
+    def work_then_fail() -> None:
+        for _ in range(3):
+            stages.tick("a.safetensors", 1, 10)
+        raise ValueError("bad tensor")
+
+    stages.start("fail", work_then_fail)
+    deadline = time.monotonic() + 10
+    while stages._events.qsize() < 5:  # 3 ticks, the error, the exit: all taken in one burst below
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ticks, reports = [], []
+    with pytest.raises(ValueError, match="bad tensor"):
+        stages.wait(lambda *payload: ticks.append(payload), lambda: reports.append(len(ticks)))
+    assert len(ticks) == 3 and reports == [3]

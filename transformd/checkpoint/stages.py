@@ -133,6 +133,8 @@ class Stages:
                         on_tick(*payload)
                         ticked = True
                     elif kind == "error":
+                        if ticked:  # what was done before the failure is reported, as it would have been
+                            on_ticked()
                         raise payload
                     else:
                         running -= 1
