@@ -43,6 +43,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -120,6 +121,17 @@ def _tile_status(bmax_is_nan, s, amax):
 
 
 @triton.jit
+def _spread(x, TILE_: tl.constexpr, NB: tl.constexpr, W: tl.constexpr):
+    """Per-block values [TILE, NB] -> [TILE, NB * W], each repeated over the W elements (or words) of its block.
+
+    Tiles are loaded and stored as 2-D [TILE, TILE] blocks (of codes, or of 32-bit words) and viewed as
+    [TILE, NB, W] only for the per-block values: with the 3-D layout, loads and stores alone reached 76-86% of
+    a device copy on the H200, with the 2-D one 97-100%.
+    """
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [TILE_, NB, W]), [TILE_, NB * W])
+
+
+@triton.jit
 def _tile_portable(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_):
     """Portable tile program: integer decoding and rounding, identical on every back-end.
 
@@ -137,19 +149,20 @@ def _tile_portable(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pi
 
     rows = tl.arange(0, TILE_)
     blks = pid_k * NB + tl.arange(0, NB)
-    lane = tl.arange(0, BLOCK_)
-    smask = (pid_n * TILE_ + rows[:, None] < N) & (blks[None, :] < KB)  # [TILE, NB]
-    qmask = smask[:, :, None]  # [TILE, NB, 1], broadcast over the block
-    q_off = rows[:, None, None] * K + blks[None, :, None] * BLOCK_ + lane[None, None, :]
+    cols = pid_k * TILE_ + tl.arange(0, TILE_)
+    in_rows = pid_n * TILE_ + rows[:, None] < N
+    smask = in_rows & (blks[None, :] < KB)  # [TILE, NB]
+    qmask = in_rows & (cols[None, :] < K)  # [TILE, TILE]; whole blocks, K being a multiple of 32
+    q_off = rows[:, None] * K + cols[None, :]
     s_off = rows[:, None] * KB + blks[None, :]
 
-    q8 = tl.load(q_ptr + q_off, mask=qmask, other=0)  # uint8 [TILE, NB, BLOCK]
+    q8 = tl.load(q_ptr + q_off, mask=qmask, other=0)  # uint8 [TILE, TILE]
     s = tl.load(s_ptr + s_off, mask=smask, other=127).to(tl.int32)  # [TILE, NB]
     mag = (q8 & 0x7F).to(tl.int32)
     sign = q8 & 0x80
 
     # Block maxima: e4m3fn magnitude codes are ordered like their values.
-    bmax = tl.max(mag, axis=2)  # [TILE, NB]
+    bmax = tl.max(tl.reshape(mag, [TILE_, NB, BLOCK_]), axis=2)  # [TILE, NB]
     block_scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)  # 2**(s-127)
     amax = tl.max(tl.max(_decode_magnitude(bmax) * block_scale, axis=1), axis=0)
     status = _tile_status(bmax == 0x7F, s, amax)
@@ -158,10 +171,10 @@ def _tile_portable(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pi
     if EXACT:
         exp = _tile_exponent(amax)
         scale = _exp2(exp)
-        y = m * _block_shift(s, exp)[:, :, None]
+        y = m * _spread(_block_shift(s, exp), TILE_, NB, BLOCK_)
     else:
         scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, 448.0))
-        v = m * block_scale[:, :, None]
+        v = m * _spread(block_scale, TILE_, NB, BLOCK_)
         if _amax_fast(amax):
             r = tl.math.div_rn(1.0, scale)
             y0 = v * r
@@ -259,6 +272,7 @@ def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, 
     KW = K // 4
     NB: tl.constexpr = TILE_ // BLOCK_
     WB: tl.constexpr = BLOCK_ // 4
+    TW: tl.constexpr = TILE_ // 4
 
     row0 = (pid_n * TILE_).to(tl.int64)
     q_ptr = q_ptr.to(tl.pointer_type(tl.int32)) + row0 * KW
@@ -267,31 +281,32 @@ def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, 
 
     rows = tl.arange(0, TILE_)
     blks = pid_k * NB + tl.arange(0, NB)
-    lane = tl.arange(0, WB)
-    smask = (pid_n * TILE_ + rows[:, None] < N) & (blks[None, :] < KB)
-    wmask = smask[:, :, None]
-    w_off = rows[:, None, None] * KW + blks[None, :, None] * WB + lane[None, None, :]
+    words = pid_k * TW + tl.arange(0, TW)
+    in_rows = pid_n * TILE_ + rows[:, None] < N
+    smask = in_rows & (blks[None, :] < KB)
+    wmask = in_rows & (words[None, :] < KW)  # whole blocks: K is a multiple of 32
+    w_off = rows[:, None] * KW + words[None, :]
     s_off = rows[:, None] * KB + blks[None, :]
 
-    w = tl.load(q_ptr + w_off, mask=wmask, other=0)  # int32 [TILE, NB, WB]
-    s = tl.load(s_ptr + s_off, mask=smask, other=127).to(tl.int32)
+    w = tl.load(q_ptr + w_off, mask=wmask, other=0)  # int32 [TILE, TW]
+    s = tl.load(s_ptr + s_off, mask=smask, other=127).to(tl.int32)  # [TILE, NB]
 
-    bmax16 = tl.max(_ptx_word_max(w), axis=2)  # f16 bits of each block's largest magnitude
+    shape: tl.constexpr = [TILE_, TW]
+    bmax16 = tl.max(tl.reshape(_ptx_word_max(w), [TILE_, NB, WB]), axis=2)  # f16 bits of each block's largest magnitude
     block_scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
     bmax = bmax16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     amax = tl.max(tl.max(bmax * block_scale, axis=1), axis=0)
     status = _tile_status(bmax16 > 0x7C00, s, amax)
 
-    shape: tl.constexpr = [TILE_, NB, WB]
     if EXACT:
         exp = _tile_exponent(amax)
         scale = _exp2(exp)
-        shift = tl.broadcast_to(_block_shift(s, exp)[:, :, None], shape)
+        shift = _spread(_block_shift(s, exp), TILE_, NB, WB)
         asm: tl.constexpr = _PTX_EXACT_FNUZ if FNUZ else _PTX_EXACT_OCP
         o = tl.inline_asm_elementwise(asm, "=r,r,f", [w, shift], dtype=tl.int32, is_pure=True, pack=1)
     else:
         scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, 448.0))
-        bs = tl.broadcast_to(block_scale[:, :, None], shape)
+        bs = _spread(block_scale, TILE_, NB, WB)
         if _amax_fast(amax):
             r = tl.full(shape, tl.math.div_rn(1.0, scale), tl.float32)
             neg_scale = tl.full(shape, -scale, tl.float32)
@@ -539,13 +554,15 @@ def _launch_group(
 
     Returns the per-tile status words and each row's first tile, or None when there is no tile at all.
     """
-    table, firsts, tiles = [], [], 0
+    flat, firsts, tiles = [], [], 0  # the table's rows, flattened: this loop is the launch's per-weight cost
     for shape, q_off, s_off, o_off, sc_off in rows:
-        *lead, n, k = shape
+        n, k = shape[-2], shape[-1]
+        count = -(-n // TILE) * -(-k // TILE)
+        for lead in shape[:-2]:
+            count *= lead
         firsts.append(tiles)
-        count = PackedWeight(tuple(shape), 0, 0, 0).tiles
         if count:
-            table.append((q_off, s_off, o_off, sc_off, n, k, tiles, count))
+            flat += (q_off, s_off, o_off, sc_off, n, k, tiles, count)
         tiles += count
     if not tiles:
         return None
@@ -554,11 +571,16 @@ def _launch_group(
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     status = torch.empty(tiles, dtype=torch.int32, device=device)
-    table_host = torch.tensor(table, dtype=torch.int64)
-    if device.type == "cuda":  # from pinned memory the copy is asynchronous: no wait for the work queued before
-        table_host = table_host.pin_memory()
-    table_dev = table_host.to(device, non_blocking=True)
-    owner = torch.repeat_interleave(table_dev[:, 7], output_size=tiles)  # each tile's row, made on the device
+    # The table, then each tile's row (int32), in one host buffer and one copy; pinned, the copy is asynchronous
+    # (no wait for the work queued before) and the caching host allocator keeps the buffer until it is done.
+    m = len(flat) // 8
+    host = torch.empty(8 * m + (tiles + 1) // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
+    h = host.numpy()
+    h[: 8 * m] = flat
+    h[8 * m :].view(np.int32)[:tiles] = np.repeat(np.arange(m, dtype=np.int32), h[7 : 8 * m : 8])
+    on_device = host.to(device, non_blocking=True)
+    table_dev = on_device[: 8 * m].view(m, 8)
+    owner = on_device[8 * m :].view(torch.int32)[:tiles]
     _mx_to_block_fp8_grouped_kernel[(tiles,)](
         table_dev,
         owner,
@@ -569,7 +591,9 @@ def _launch_group(
         PTX=kernel == "ptx" and aligned,
         TILE_=TILE,
         BLOCK_=MX_BLOCK,
-        num_warps=num_warps or (4 if scale_mode is ScaleMode.EXACT else 8),  # measured best on the H200
+        # measured best on the H200 (benchmarks/results/kernel_bench_h200.txt): each program's table lookup is
+        # latency that smaller programs, more of them resident, hide better in exact mode
+        num_warps=num_warps or (4 if scale_mode is ScaleMode.EXACT else 8),
         enable_fp_fusion=False,  # keep each float operation's own IEEE rounding
     )
     return status, firsts
