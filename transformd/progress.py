@@ -228,9 +228,17 @@ class ConvertProgress:
         self.close()
 
 
+def items_left_out(n: int) -> str:
+    """What ends a list cut short after its first items (``cache.manifest.jsonable``); :func:`_listed` reads it."""
+    return f"... ({n} more)"
+
+
+_LEFT_OUT = re.compile(r"\.\.\. \((\d+) more\)")
+
+
 def _listed(names: list[Any]) -> int:
-    """Items of a list, counting the ``"... (N more)"`` a manifest ends a long list with (cache.manifest.jsonable)."""
-    more = re.fullmatch(r"\.\.\. \((\d+) more\)", str(names[-1])) if names else None
+    """Items of a list, counting the :func:`items_left_out` a manifest ends a long list with."""
+    more = _LEFT_OUT.fullmatch(str(names[-1])) if names else None
     return len(names) - 1 + int(more.group(1)) if more else len(names)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..progress import items_left_out
 from .keys import FileRecord, Recipe
 
 MANIFEST_NAME = "manifest.json"
@@ -121,7 +122,7 @@ def jsonable(obj: Any, *, depth: int = 0, max_items: int = 1000) -> Any:
     Dataclasses and objects with ``__dict__`` become dicts, enums their values, paths strings,
     tensors/arrays a short description; non-finite floats become strings. Deep or huge
     structures are cut short rather than failing: a list longer than ``max_items`` keeps its
-    first ``max_items`` items and ends with ``"... (N more)"``.
+    first ``max_items`` items and ends with ``"... (N more)"`` (:func:`~transformd.progress.items_left_out`).
     """
     if depth > 8:
         return repr(obj)[:200]
@@ -146,7 +147,7 @@ def jsonable(obj: Any, *, depth: int = 0, max_items: int = 1000) -> Any:
         items = list(obj)
         out = [jsonable(v, depth=depth + 1, max_items=max_items) for v in items[:max_items]]
         if len(items) > max_items:
-            out.append(f"... ({len(items) - max_items} more)")
+            out.append(items_left_out(len(items) - max_items))
         return out
     if hasattr(obj, "shape") and hasattr(obj, "dtype"):
         return f"<{type(obj).__name__} {getattr(obj, 'dtype', '')} {list(getattr(obj, 'shape', []))}>"
