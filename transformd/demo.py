@@ -12,6 +12,7 @@ What an inference node does with transformd, in one command:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -51,10 +52,12 @@ def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -
             echo(f"2. daemon up on {socket} (device {health.get('device')}, cache {health.get('cache_root')})")
 
             t0 = time.perf_counter()
-            path = client.resolve(str(src), target="fnuz", scale_mode="exact", timeout=600)
+            # target auto, as an engine's start-up hook asks: FNUZ for a gfx94x GPU, else OCP e4m3fn
+            path = client.resolve(str(src), scale_mode="exact", timeout=600)
             cold = time.perf_counter() - t0
             key = client.last_key
-            echo(f"3. resolved through the API in {cold:.2f} s (converted): {path}")
+            target = _target_of(Path(path))
+            echo(f"3. resolved through the API in {cold:.2f} s (converted, target {target} for this node): {path}")
 
             with client.lease(key, ttl_s=600, holder="transformd demo"):
                 tensors = load_from_daemon(client, key)
@@ -68,14 +71,14 @@ def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -
             report = compare_checkpoints(src, path)
             echo("\n5. reconstruction error of the converted checkpoint, per converted weight:")
             echo(report.format_table(legend=True))
-            amax = compare_modes_checkpoint(src, "fnuz")["amax"].overall
+            amax = compare_modes_checkpoint(src, target)["amax"].overall
             echo(
                 f"   scale mode amax (vLLM PR #45726 parity) would give: rel L2 {amax.rel_l2:.3e}, "
                 f"exact {100 * amax.exact_fraction:.3f}%"
             )
 
             t0 = time.perf_counter()
-            again = client.resolve(str(src), target="fnuz", scale_mode="exact")
+            again = client.resolve(str(src), scale_mode="exact")
             warm = time.perf_counter() - t0
             hits = _metric(client.metrics(), "transformd_cache_hits_total")
             echo(f"\n6. second resolve: {warm * 1e3:.1f} ms from the cache (cache hits: {hits:g}), same path: {again == path}")
@@ -83,6 +86,12 @@ def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -
         _stop_daemon(daemon)
     echo(f"\nThe daemon was stopped; its files stay in {workdir} (remove them with: rm -rf {workdir})")
     return path
+
+
+def _target_of(converted: Path) -> str:
+    """The target a converted checkpoint was written for, as its config.json records it."""
+    config = json.loads((converted / "config.json").read_text())
+    return config["quantization_config"]["transformd"]["target"]
 
 
 def _start_daemon(workdir: Path, socket: Path, device: str) -> subprocess.Popen:
