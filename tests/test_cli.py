@@ -194,14 +194,15 @@ def test_console_entry_point_in_a_process(tmp_path: Path) -> None:
 def test_a_warm_cache_hit_in_a_process_imports_no_torch(tmp_path: Path) -> None:
     """The second ``convert --cache-dir`` finds the entry: target auto (the platform probe), the engine check
     (the plan), the readiness report and the summary read headers only, so the process never pays for torch,
-    triton or numpy (seconds), while the first one really converts."""
+    triton or numpy (seconds), nor for httpx (0.15 s: ``convert`` talks to no daemon), while the first one
+    really converts."""
     src, root = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2), tmp_path / "cache"
     for f in src.iterdir():  # older than the stat cache's racy window (a file just written is hashed again)
         os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     probe = ("import sys, runpy\nsys.argv = ['transformd', *sys.argv[1:]]\ntry:\n runpy.run_module('transformd', "
              "run_name='__main__')\nfinally:\n print(sorted({m.split('.')[0] for m in sys.modules} & "
-             "{'torch', 'triton', 'numpy', 'safetensors'}), file=sys.stderr)")
+             "{'torch', 'triton', 'numpy', 'safetensors', 'httpx'}), file=sys.stderr)")
     runs = []
     for _ in range(2):
         cmd = [sys.executable, "-c", probe, "convert", str(src), "--cache-dir", str(root), "--engine", "vllm"]

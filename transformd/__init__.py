@@ -6,7 +6,7 @@ is :mod:`transformd.cache`, the daemon :mod:`transformd.daemon`, its client
 :mod:`transformd.client` (torch-free: what engines import).
 
 Importing the package imports nothing heavy: each name below is loaded on first use, so
-``import transformd.client`` costs Python and httpx, not torch.
+``import transformd.client`` costs Python (and httpx once a client is made), not torch.
 """
 
 from __future__ import annotations

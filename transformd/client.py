@@ -36,9 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     BadRequestError,
@@ -56,6 +54,9 @@ from .errors import (
     error_class,
 )
 from .progress import Progress
+
+if TYPE_CHECKING:
+    import httpx  # imported where a client is made and used: the CLI's other commands need this module's names only
 
 __all__ = [
     "DEFAULT_RECONNECT_S",
@@ -278,6 +279,7 @@ class TransformdClient:
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        import httpx
         headers = {"Accept": "application/json", "User-Agent": "transformd-client"}
         if url is not None:
             if token is None:
@@ -320,6 +322,7 @@ class TransformdClient:
         ok: tuple[int, ...] = (200,),
         timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
+        import httpx
         try:
             if timeout is None:
                 response = self._http.request(method, path, json=json)
@@ -411,6 +414,7 @@ class TransformdClient:
             body["engine"] = str(getattr(engine, "value", engine))
         if revision is not None:
             body["revision"] = revision
+        import httpx
         limit = httpx.Timeout(wait_s, connect=self.timeout)
         response = self._request("POST", f"{_API}/checkpoints", json=body, ok=(200, 201, 202), timeout=limit)
         status = CheckpointStatus.from_json(self._json(response))
