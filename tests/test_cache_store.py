@@ -311,6 +311,35 @@ def test_staging_of_another_host_or_container_is_judged_by_its_lock(tmp_path):
     assert entry.outcome == "converted" and os.listdir(cache.staging_dir) == []
 
 
+def test_status_temporaries_of_dead_processes_are_cleaned_up(tmp_path):
+    """A process killed while it replaced its staging status leaves ".tmp.BASE.json.PID.HEX" (test_faults_crash
+    found one after start-up cleanup): cleanup removes it with the rest of BASE, or alone, and keeps a live
+    process' temporary."""
+    import subprocess
+    import sys
+
+    from transformd.cache.lock import FileLock
+
+    src = write_source(tmp_path / "m")
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
+    key = cache.key_for(src)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone, orphan, live = f"{key}.{dead.pid}.abcd", f"{key}.{dead.pid}.ef01", f"{key}.{os.getpid()}.9999"
+    (cache.staging_dir / gone / "checkpoint").mkdir(parents=True)  # killed before its first status was in place
+    temporaries = [f".tmp.{gone}.json.{dead.pid}.0123abcd", f".tmp.{orphan}.json.{dead.pid}.4567abcd",
+                   f".tmp.{live}.json.{os.getpid()}.89abcdef"]
+    for name in temporaries:
+        (cache.staging_dir / name).write_text("{")
+    lock = FileLock(cache.locks_dir / f"{key}.lock")
+    assert lock.try_acquire()  # the live process converts that key
+    try:
+        assert sorted(cache.cleanup().staging_removed) == sorted([gone, orphan])
+    finally:
+        lock.release()
+    assert os.listdir(cache.staging_dir) == temporaries[2:]
+
+
 def test_get_lease(tmp_path):
     cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
     entry = cache.get_or_convert(write_source(tmp_path / "m"))

@@ -375,6 +375,10 @@ class BudgetMixin:
         except FileNotFoundError:
             names = []
         bases = {n.removesuffix(".json") for n in names if not n.startswith(".")}
+        # a status file's temporary (_durable.write_json_atomic: ".tmp.BASE.json.PID.HEX"), left by a process
+        # killed while it replaced its status, belongs to BASE even when nothing else of BASE is left
+        temporaries = {n: n[len(".tmp.") : n.index(".json.")] for n in names if n.startswith(".tmp.") and ".json." in n}
+        bases |= set(temporaries.values())
         for base in sorted(bases):
             key = base[:KEY_HEX_LEN]
             if not KEY_RE.fullmatch(key):
@@ -401,8 +405,9 @@ class BudgetMixin:
             if alive is None and key != _held_key and not self._key_lock_free(key):
                 continue
             rmtree_force(self.staging_dir / base)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(status_file)
+            for leftover in [status_file.name, *(n for n, b in temporaries.items() if b == base)]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.staging_dir / leftover)
             report.staging_removed.append(base)
         with contextlib.suppress(FileNotFoundError):
             for n in sorted(os.listdir(self.locks_dir)):
