@@ -12,7 +12,6 @@ What an inference node does with transformd, in one command:
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from .client import TransformdClient
 from .loader import load_from_daemon
-from .report import compare_checkpoints, compare_modes_checkpoint
+from .report import compare_checkpoints, compare_modes_checkpoint, transformd_record
 from .sample import write_sample_checkpoint
 
 START_TIMEOUT_S = 60.0
@@ -56,7 +55,7 @@ def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -
             path = client.resolve(str(src), scale_mode="exact", timeout=600)
             cold = time.perf_counter() - t0
             key = client.last_key
-            target = _target_of(Path(path))
+            target = transformd_record(Path(path))["target"]
             echo(f"3. resolved through the API in {cold:.2f} s (converted, target {target} for this node): {path}")
 
             with client.lease(key, ttl_s=600, holder="transformd demo"):
@@ -86,12 +85,6 @@ def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -
         _stop_daemon(daemon)
     echo(f"\nThe daemon was stopped; its files stay in {workdir} (remove them with: rm -rf {workdir})")
     return path
-
-
-def _target_of(converted: Path) -> str:
-    """The target a converted checkpoint was written for, as its config.json records it."""
-    config = json.loads((converted / "config.json").read_text())
-    return config["quantization_config"]["transformd"]["target"]
 
 
 def _start_daemon(workdir: Path, socket: Path, device: str) -> subprocess.Popen:

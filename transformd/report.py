@@ -42,6 +42,7 @@ __all__ = [
     "compare_modes",
     "compare_modes_checkpoint",
     "tensor_error",
+    "transformd_record",
 ]
 
 #: What the columns of :meth:`Report.format_table` mean (both sides decoded exactly, compared in float64).
@@ -205,7 +206,7 @@ def compare_checkpoints(
     Raises ``ValueError`` when no converted weight is found.
     """
     src, out = _Checkpoint(Path(src_dir)), _Checkpoint(Path(out_dir))
-    record = _transformd_record(Path(out_dir))
+    record = transformd_record(Path(out_dir))
     expected = Target(target) if target is not None else (Target(record["target"]) if "target" in record else None)
     rows: list[TensorRow] = []
     seen_target: Target | None = None
@@ -299,7 +300,9 @@ class _Checkpoint:
         return codes, expand_row_blocks(scales, n, infer_row_block(n, rows) or 1)
 
 
-def _transformd_record(ckpt: Path) -> dict:
+def transformd_record(ckpt: Path) -> dict:
+    """What a converted checkpoint's config.json records of its conversion (``quantization_config.transformd``:
+    target, scale mode, ...); {} when there is none."""
     config = ckpt / "config.json"
     if not config.is_file():
         return {}
