@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,40 @@ def test_console_entry_point_in_a_process(tmp_path: Path) -> None:
 
 
 
+def test_the_script_ends_at_once_after_atexit_handlers_with_its_output_flushed(tmp_path: Path) -> None:
+    """``cli.run`` (the script, ``python -m transformd``) skips the interpreter's teardown (0.6 s after torch):
+    nothing after it runs (no ``finally``), but the atexit handlers do, buffered standard output reaches the
+    pipe, and the exit code is the command's."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    probe = ("import atexit, sys\natexit.register(lambda: print('atexit ran'))\nsys.argv = ['transformd', "
+             "*sys.argv[1:]]\nfrom transformd.cli import run\ntry:\n run()\nfinally:\n print('unwound')")
+    src = write_checkpoint(tmp_path / "src")
+    for argv, code in ((["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu"], 0),
+                       (["convert", str(tmp_path / "missing"), "--out", str(tmp_path / "out2")], 2)):
+        done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env,
+                              timeout=120)
+        assert done.returncode == code, done.stderr
+        assert done.stdout.splitlines()[-1] == "atexit ran" and "unwound" not in done.stdout, done.stdout
+    assert done.stdout.splitlines() == ["atexit ran"] and "transformd: error:" in done.stderr
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_the_script_leaves_a_running_thread_to_the_normal_exit(monkeypatch) -> None:
+    """A non-daemon thread still running when the command returns is waited for (``SystemExit``), not killed."""
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait)
+    worker.start()
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    monkeypatch.setattr(cli.os, "_exit", lambda code: pytest.fail("os._exit while a thread runs"))
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.run()
+    finally:
+        release.set()
+        worker.join()
+    assert exit_.value.code == 3
+
+
 def test_a_warm_cache_hit_in_a_process_imports_no_torch(tmp_path: Path) -> None:
     """The second ``convert --cache-dir`` finds the entry: target auto (the platform probe), the engine check
     (the plan), the readiness report and the summary read headers only, so the process never pays for torch,
@@ -200,9 +235,9 @@ def test_a_warm_cache_hit_in_a_process_imports_no_torch(tmp_path: Path) -> None:
     for f in src.iterdir():  # older than the stat cache's racy window (a file just written is hashed again)
         os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    probe = ("import sys, runpy\nsys.argv = ['transformd', *sys.argv[1:]]\ntry:\n runpy.run_module('transformd', "
-             "run_name='__main__')\nfinally:\n print(sorted({m.split('.')[0] for m in sys.modules} & "
-             "{'torch', 'triton', 'numpy', 'safetensors', 'httpx'}), file=sys.stderr)")
+    probe = ("import atexit, sys, runpy\nsys.argv = ['transformd', *sys.argv[1:]]\natexit.register(lambda: print("
+             "sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'triton', 'numpy', 'safetensors', 'httpx'}), "
+             "file=sys.stderr))\nrunpy.run_module('transformd', run_name='__main__')")
     runs = []
     for _ in range(2):
         cmd = [sys.executable, "-c", probe, "convert", str(src), "--cache-dir", str(root), "--engine", "vllm"]
