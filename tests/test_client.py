@@ -343,7 +343,7 @@ def test_cli_resolve_prints_only_the_directory(world):
 #: Run ``transformd resolve`` (or any statement) in a fresh interpreter, then print the heavy modules it loaded.
 _IMPORTED = ("import sys\n{run}\n"
              "print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'torch', 'triton', 'numpy', 'fastapi', "
-             "'uvicorn', 'safetensors', 'blake3', 'huggingface_hub'}}), file=sys.stderr)")
+             "'uvicorn', 'safetensors', 'blake3', 'huggingface_hub', 'click', 'rich'}}), file=sys.stderr)")
 
 
 def test_the_client_and_resolve_import_no_torch(world):
@@ -357,6 +357,16 @@ def test_the_client_and_resolve_import_no_torch(world):
     done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0 and done.stdout.splitlines() == [str(world["converted"])], done.stderr
     assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
+
+
+def test_httpx_is_imported_without_its_command_line():
+    """``import_httpx`` leaves out httpx's ``_main`` (click, rich: half of httpx's import time, checked above on a
+    real resolve) and leaves nothing behind: ``httpx._main`` imports as usual afterwards."""
+    run = ("import sys\nfrom transformd._lazy import import_httpx\nhttpx = import_httpx()\n"
+           "assert httpx.Client and not {'httpx._main', 'click'} & set(sys.modules), sorted(sys.modules)\n"
+           "import httpx._main\nassert httpx._main.main is not httpx.main\nprint('ok')")
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
 
 
 def test_cli_resolve_over_tcp_and_env_socket(world):

@@ -53,10 +53,11 @@ from .errors import (
     UnauthorizedError,
     error_class,
 )
+from ._lazy import import_httpx  # httpx is imported where a client is made and used, without its command line
 from .progress import Progress
 
 if TYPE_CHECKING:
-    import httpx  # imported where a client is made and used: the CLI's other commands need this module's names only
+    import httpx
 
 __all__ = [
     "DEFAULT_RECONNECT_S",
@@ -279,7 +280,7 @@ class TransformdClient:
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        import httpx
+        httpx = import_httpx()
         headers = {"Accept": "application/json", "User-Agent": "transformd-client"}
         if url is not None:
             if token is None:
@@ -322,7 +323,7 @@ class TransformdClient:
         ok: tuple[int, ...] = (200,),
         timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
-        import httpx
+        httpx = import_httpx()
         try:
             if timeout is None:
                 response = self._http.request(method, path, json=json)
@@ -414,8 +415,7 @@ class TransformdClient:
             body["engine"] = str(getattr(engine, "value", engine))
         if revision is not None:
             body["revision"] = revision
-        import httpx
-        limit = httpx.Timeout(wait_s, connect=self.timeout)
+        limit = import_httpx().Timeout(wait_s, connect=self.timeout)
         response = self._request("POST", f"{_API}/checkpoints", json=body, ok=(200, 201, 202), timeout=limit)
         status = CheckpointStatus.from_json(self._json(response))
         self.last_key = status.key
