@@ -34,6 +34,10 @@ Every launch runs the same tile programs (:func:`_tile_portable`, :func:`_tile_p
 Invalid input is not converted silently: each tile writes a status word
 (bit 0: NaN code, bit 1: E8M0 0xFF, bit 2: a decoded value that is not finite
 in float32) and the wrapper raises :class:`~transformd.formats.MxFormatError`.
+
+Long because the two tile programs and the launches that run them change together: a launch's table
+row is both a kernel argument layout and the host code that fills it, and the GPU record
+(tests/gpu/run_gpu_suite.py) covers them as one file.
 """
 
 from __future__ import annotations
@@ -361,15 +365,19 @@ def _mx_to_block_fp8_kernel(
 
 # --- grouped launches: many weights, one launch -------------------------------------------------------------------
 
-# A group table row: 8 int64s (64 bytes): byte offsets of the codes, the E8M0 scales and the output codes from
-# their base pointers, the output scales' offset from theirs in float32 elements, N, K, the weight's first tile,
-# and its tile count.
+# The weights' tiles go in chunks of at most C consecutive tiles of one weight (C chosen per launch by
+# _chunk_tiles). A chunk's table row: 8 int64s (64 bytes): byte offsets of the codes, the E8M0 scales and the output
+# codes from their base pointers, the output scales' offset from theirs in float32 elements, N << 32 | K, the
+# weight's first status word, and the chunk's first and end tile in the weight.
+
+#: Most chunks on the grid's second axis (CUDA's limit on it); more go on the third.
+GRID_Y = 65535
 
 
 @triton.jit
 def _mx_to_block_fp8_grouped_kernel(
     table_ptr,
-    owner_ptr,
+    chunks,
     q_ptr,
     s_ptr,
     out_ptr,
@@ -381,39 +389,43 @@ def _mx_to_block_fp8_grouped_kernel(
     TILE_: tl.constexpr,
     BLOCK_: tl.constexpr,
 ):
-    """Tiles of many weights in one launch: program i converts global tile i (1-D grid over every weight's tiles).
+    """Tiles of many weights in one launch: program (i, y, z) converts tile i of chunk ``c = z * GRID_Y + y``.
 
-    Row g of the table describes weight g ([E, N, K], E implied by its tile count); ``owner[i]`` is the row of
-    tile i (one load, where a search of the table would cost a chain of dependent loads before each tile).
+    Row c of the table describes the chunk ([E, N, K] weights: E implied by the tile range). The row's address
+    comes from the program id, so one load (the row) precedes the tile's loads; the first tile of a chunk is
+    the fastest-varying program id, so programs that run together read neighbouring tiles, as in one launch.
     """
-    pid = tl.program_id(0)
-    g = tl.load(owner_ptr + pid)
-    row = table_ptr + g * 8
-    q_off = tl.load(row + 0)
-    s_off = tl.load(row + 1)
-    out_off = tl.load(row + 2)
-    scale_off = tl.load(row + 3)
-    N = tl.load(row + 4).to(tl.int32)
-    K = tl.multiple_of(tl.load(row + 5).to(tl.int32), 32)  # the MX contract: K is a multiple of 32
-    local = pid - tl.load(row + 6).to(tl.int32)
-    kt = (K + TILE_ - 1) // TILE_
-    nt = (N + TILE_ - 1) // TILE_
-    pid_k = local % kt
-    pid_n = (local // kt) % nt
-    mat = (local // (kt * nt)).to(tl.int64) * N  # the expert's first row
-    scale_ptr = out_scale_ptr + scale_off + local
-    if PTX:
-        q_off = tl.multiple_of(q_off, 16)
-        out_off = tl.multiple_of(out_off, 16)
-        _tile_ptx(
-            q_ptr + q_off + mat * K, s_ptr + s_off + mat * (K // BLOCK_), out_ptr + out_off + mat * K,
-            scale_ptr, status_ptr + pid, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
-        )
-    else:
-        _tile_portable(
-            q_ptr + q_off + mat * K, s_ptr + s_off + mat * (K // BLOCK_), out_ptr + out_off + mat * K,
-            scale_ptr, status_ptr + pid, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
-        )
+    c = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    if c < chunks:
+        row = table_ptr + c.to(tl.int64) * 8
+        local = tl.load(row + 6).to(tl.int32) + tl.program_id(0)  # the tile's index in its weight
+        if local < tl.load(row + 7).to(tl.int32):
+            q_off = tl.load(row + 0)
+            s_off = tl.load(row + 1)
+            out_off = tl.load(row + 2)
+            scale_off = tl.load(row + 3)
+            nk = tl.load(row + 4)
+            N = (nk >> 32).to(tl.int32)
+            K = tl.multiple_of((nk & 0xFFFFFFFF).to(tl.int32), 32)  # the MX contract: K is a multiple of 32
+            status = status_ptr + tl.load(row + 5) + local
+            kt = (K + TILE_ - 1) // TILE_
+            nt = (N + TILE_ - 1) // TILE_
+            pid_k = local % kt
+            pid_n = (local // kt) % nt
+            mat = (local // (kt * nt)).to(tl.int64) * N  # the expert's first row
+            scale_ptr = out_scale_ptr + scale_off + local
+            if PTX:
+                q_off = tl.multiple_of(q_off, 16)
+                out_off = tl.multiple_of(out_off, 16)
+                _tile_ptx(
+                    q_ptr + q_off + mat * K, s_ptr + s_off + mat * (K // BLOCK_), out_ptr + out_off + mat * K,
+                    scale_ptr, status, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+                )
+            else:
+                _tile_portable(
+                    q_ptr + q_off + mat * K, s_ptr + s_off + mat * (K // BLOCK_), out_ptr + out_off + mat * K,
+                    scale_ptr, status, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+                )
 
 
 @triton.jit
@@ -542,6 +554,27 @@ class PackedWeight:
         return codes, scales.view(*self.shape[:-1], self.shape[-1] // MX_BLOCK)
 
 
+#: The largest chunk (tiles of one weight per table row), and the sizes tried besides the weights' own counts.
+CHUNK_MAX = 4096
+_CHUNK_SIZES = 2 ** np.arange(CHUNK_MAX.bit_length())  # 1, 2, 4, ..., CHUNK_MAX
+
+
+def _chunk_tiles(counts: np.ndarray) -> int:
+    """Tiles per chunk for a launch over weights of ``counts`` tiles (each > 0).
+
+    Each chunk takes that many programs, idle past its weight's last tile; the size that needs the fewest
+    programs (a chunk counted one more, for its table row) among powers of two and up to 16 of the counts
+    themselves, all at most ``CHUNK_MAX``. Weights of one tile count (the experts of a layer) get one chunk each
+    and no idle program.
+    """
+    if counts.min() == counts.max() <= CHUNK_MAX:
+        return int(counts[0])  # the common case, answered without the search below (whose answer it is)
+    capped = np.minimum(counts, CHUNK_MAX)
+    sizes = np.concatenate((_CHUNK_SIZES, capped[:: -(-len(capped) // 16)]))  # and up to 16 of the counts
+    programs = (-(-counts[None, :] // sizes[:, None])).sum(axis=1) * (sizes + 1)
+    return int(sizes[np.argmin(programs)])
+
+
 def _launch_group(
     rows: list[tuple[int, ...]],
     bases: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -555,15 +588,16 @@ def _launch_group(
 
     Returns the per-tile status words and each row's first tile, or None when there is no tile at all.
     """
-    flat, firsts, tiles = [], [], 0  # the table's rows, flattened: this loop is the launch's per-weight cost
+    flat, counts, firsts, tiles = [], [], [], 0  # this loop is the launch's per-weight cost: keep it short
     for shape, q_off, s_off, o_off, sc_off in rows:
         n, k = shape[-2], shape[-1]
-        count = -(-n // TILE) * -(-k // TILE)
+        count = -(-n // TILE) * -(-k // TILE)  # formats.tile_grid inline: a call would double the loop's cost
         for lead in shape[:-2]:
             count *= lead
         firsts.append(tiles)
         if count:
-            flat += (q_off, s_off, o_off, sc_off, n, k, tiles, count)
+            flat += (q_off, s_off, o_off, sc_off, n << 32 | k, tiles)
+            counts.append(count)
         tiles += count
     if not tiles:
         return None
@@ -572,19 +606,22 @@ def _launch_group(
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     status = torch.empty(tiles, dtype=torch.int32, device=device)
-    # The table, then each tile's row (int32), in one host buffer and one copy; pinned, the copy is asynchronous
-    # (no wait for the work queued before) and the caching host allocator keeps the buffer until it is done.
-    m = len(flat) // 8
-    host = torch.empty(8 * m + (tiles + 1) // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
-    h = host.numpy()
-    h[: 8 * m] = flat
-    h[8 * m :].view(np.int32)[:tiles] = np.repeat(np.arange(m, dtype=np.int32), h[7 : 8 * m : 8])
-    on_device = host.to(device, non_blocking=True)
-    table_dev = on_device[: 8 * m].view(m, 8)
-    owner = on_device[8 * m :].view(torch.int32)[:tiles]
-    _mx_to_block_fp8_grouped_kernel[(tiles,)](
-        table_dev,
-        owner,
+    counts = np.array(counts, dtype=np.int64)
+    size = _chunk_tiles(counts)
+    per = -(-counts // size)  # each weight's chunks
+    chunks = int(per.sum())
+    weight = np.repeat(np.arange(len(counts)), per)
+    start = (np.arange(chunks) - np.repeat(np.cumsum(per) - per, per)) * size  # each chunk's first tile
+    # One host buffer and one copy; pinned, the copy is asynchronous (no wait for the work queued before) and the
+    # caching host allocator keeps the buffer until it is done.
+    host = torch.empty((chunks, 8), dtype=torch.int64, pin_memory=device.type == "cuda")
+    table = host.numpy()
+    table[:, :6] = np.reshape(flat, (-1, 6)) if chunks == len(counts) else np.reshape(flat, (-1, 6))[weight]
+    table[:, 6] = start
+    table[:, 7] = np.minimum(start + size, counts[weight])
+    _mx_to_block_fp8_grouped_kernel[(size, min(chunks, GRID_Y), -(-chunks // GRID_Y))](
+        host.to(device, non_blocking=True),
+        chunks,
         *bases,
         status,
         EXACT=scale_mode is ScaleMode.EXACT,
@@ -592,9 +629,7 @@ def _launch_group(
         PTX=kernel == "ptx" and aligned,
         TILE_=TILE,
         BLOCK_=MX_BLOCK,
-        # measured best on the H200 (benchmarks/results/kernel_bench_h200.txt, DeepSeek-V3 shapes): exact 82% of
-        # copy with 4 warps, 79% with 8; amax 71% with 8, 61% with 4
-        num_warps=num_warps or (4 if scale_mode is ScaleMode.EXACT else 8),
+        num_warps=num_warps or 8,  # measured best on the H200 for both modes (kernel_bench_h200.txt)
         enable_fp_fusion=False,  # keep each float operation's own IEEE rounding
     )
     return status, firsts

@@ -87,6 +87,7 @@ def run(dry_run: bool) -> dict:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     sys.path.insert(0, str(REPO))
     import numpy as np
+    import pytest
     import torch
 
     import transformd
@@ -99,7 +100,11 @@ def run(dry_run: bool) -> dict:
     from tests.support.kernel_cases import AWKWARD, invalid_cases, random_mx
     from tests.support.layouts import LAYOUTS
     from tests.support.oracles import numpy_oracle
-    from tests.test_kernels import test_grouped_launch_names_the_invalid_weight, test_packed_launch_matches_reference
+    from tests.test_kernels import (
+        test_grouped_launch_in_small_chunks_over_three_grid_axes,
+        test_grouped_launch_names_the_invalid_weight,
+        test_packed_launch_matches_reference,
+    )
 
     if not dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run this on a GPU machine, or pass --dry-run to test the script on the CPU")
@@ -164,6 +169,12 @@ def run(dry_run: bool) -> dict:
 
         for mode in ("exact", "amax"):
             tally.check(f"{kernel}/{mode}/packed launch", lambda mode=mode, kernel=kernel: test_packed_launch_matches_reference(mode, kernel))
+
+        def small_chunks(kernel=kernel) -> None:
+            with pytest.MonkeyPatch.context() as patch:
+                test_grouped_launch_in_small_chunks_over_three_grid_axes(kernel, patch)
+
+        tally.check(f"{kernel}/grouped launch in small chunks over three grid axes", small_chunks)
 
         def unaligned(kernel=kernel) -> None:  # codes 8 bytes into a buffer: ptx must fall back to portable
             q, s = random_mx((1, 129, 64), seed=12)

@@ -93,6 +93,9 @@ MUTANTS: list[Mutant] = [
     m("ptx-alignment-fallback-weakened", "transformd/kernels.py", "codes.data_ptr() % 16 or out_codes.data_ptr() % 16",
       "codes.data_ptr() % 4 or out_codes.data_ptr() % 4", GPU_RECORD,
       note="host code of the ptx path: no CPU test can launch ptx; caught by the digest"),
+    m("grouped-chunk-start-dropped", "transformd/kernels.py",
+      "local = tl.load(row + 6).to(tl.int32) + tl.program_id(0)", "local = tl.program_id(0)",
+      ["tests/test_kernels.py", "-k", "grouped or packed"]),
     m("portable-kernel-fnuz-zero-sign", "transformd/kernels.py",
       "sign = tl.where(code == 0, 0, sign)  # -0 is NaN in FNUZ: write +0", "pass", KERNEL_TESTS),
     # -- reference.py ------------------------------------------------------------------------------------------------
