@@ -431,13 +431,14 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
              f"sample: {_describe(sample)}, {_tensor_count(src)} tensors",
              f"in {root} ({file_system(root)})",
              f"python -c 'import torch, transformd.checkpoint, transformd.cli': {imports:.2f} s", ""]
-    floor = {True: min(times["cp -r SRC DST && sync"]), False: min(times["cp -r + sync, source in page cache"])}
-    warm = min(times["python -c 'import httpx' (a warm path's floor)"])
+    floors = {"cold": "cp -r SRC DST && sync", "page cache": "cp -r + sync, source in page cache",
+              "warm": "python -c 'import httpx' (a warm path's floor)"}
+    floors = {kind: min(times[name]) for kind, name in floors.items() if name in times}  # (--skip may drop one)
     header = f"{'what':<40} " + " ".join(f"{f'run {i + 1}':>16}" for i in range(args.rounds)) + f" {'GiB/s (best)':>13}"
     lines.append(header)
     for name, cold, *_ in steps:
-        ref = warm if ("warm hit" in name or "httpx" in name) else floor[cold]
-        cells = [f"{t:6.2f} s ({t / ref:4.2f}x)" for t in times[name]]
+        ref = floors.get("warm" if ("warm hit" in name or "httpx" in name) else "cold" if cold else "page cache")
+        cells = [f"{t:6.2f} s ({t / ref:4.2f}x)" if ref else f"{t:6.2f} s" for t in times[name]]
         lines.append(f"{name:<40} " + " ".join(f"{c:>16}" for c in cells) + f" {gib / min(times[name]):13.2f}")
     lines.append("ratios: cold steps against the best cold cp -r + sync; page-cache steps against the best cp -r + "
                  "sync with the source in the page cache (writing and fsyncing the same bytes); warm hits against "
