@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from transformd import MxFormatError, convert_weight, kernels, dequantize_block, dequantize_mx, validate_pair
+from transformd import MxFormatError, convert_weight, dequantize_block, dequantize_mx, kernels, validate_pair
 from transformd.formats import tile_grid
 from transformd.kernels import (
     GroupMemberError,

@@ -74,10 +74,10 @@ def run() -> NoReturn:
     """The ``transformd`` script and ``python -m transformd``: :func:`main`, then end the process at once.
 
     Once a command has returned, everything it wrote is closed, fsynced and renamed; what remains of a normal
-    exit is the interpreter's teardown, which takes 0.6 s after ``import torch`` (``convert``, ``demo``) on
-    the 2-core CI machine: a tenth of a small conversion, paid by every engine start-up that converts. So the
-    atexit handlers run and the standard streams are flushed, then ``os._exit``; a command that left a
-    non-daemon thread running exits normally, which waits for it.
+    exit is the interpreter's teardown, which takes 0.5-0.65 s after ``import torch`` (``convert``, ``demo``):
+    a quarter of a small conversion's whole process (2.5 -> 1.85 s on the 2-core CPU machine). So the atexit
+    handlers run and the standard streams are flushed, then ``os._exit``; a command that left a non-daemon
+    thread running exits normally, which waits for it.
     """
     code = main()
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
