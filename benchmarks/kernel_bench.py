@@ -9,7 +9,8 @@ then, for per-expert 2-D weights as real checkpoints store them (DeepSeek-V3, Qw
 matrix, shapes not multiple of 128), one launch per tensor against one grouped launch over all of
 them (``convert_triton_grouped`` on the list, and ``convert_packed`` on one buffer as the pipeline
 packs a batch), each checked bit for bit against the reference on the device;
-and then the block-scaled FP8 matmul check of the converted weights (target ocp).
+for packed launches also the kernel's own device time (torch.profiler), which leaves out the Python call that
+bounds batches of small weights; and then the block-scaled FP8 matmul check of the converted weights (target ocp).
 
     python benchmarks/kernel_bench.py [--quick] [--grouped-only] [--json results.json]
 
@@ -89,6 +90,24 @@ def wall_ms(fn, reps=2) -> float:
         sync()
         best = min(best, (time.perf_counter() - t) * 1e3)
     return best
+
+
+def kernel_alone_ms(fn, kernel: str, reps: int = 20) -> float | None:
+    """Device time per call of ``fn`` in the kernels named ``kernel`` (CUPTI, through torch.profiler), the L2 cache
+    flushed before each call as do_bench does: the GPU's own time, without the Python call that launches it.
+    None off CUDA."""
+    if DEV.type != "cuda":
+        return None
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    fn()
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        sync()
+    total_us = sum(row.device_time_total for row in prof.key_averages() if kernel in row.key)
+    return total_us / reps / 1e3 if total_us else None
 
 
 def same(a, b) -> bool:
@@ -202,6 +221,11 @@ def run_grouped(name, e, n, k, rows, checks):
                 row(f"{mode} {kern} w{warps}: grouped, packed buffer", bench_ms(
                     lambda: convert_packed(buf, out_buf, out_scales, packed, "fnuz", mode, kernel=kern, num_warps=warps,
                                            check=False)))
+                alone = None if warps != 8 else kernel_alone_ms(  # (the default warps)
+                    lambda: convert_packed(buf, out_buf, out_scales, packed, "fnuz", mode, kernel=kern, num_warps=warps,
+                                           check=False), "_mx_to_block_fp8_grouped_kernel")
+                if alone is not None:  # the same launches, their GPU time only: what the Python call leaves out
+                    row(f"{mode} {kern} w{warps}: packed, the kernel alone", alone)
         if e > 1:
             row(f"{mode} default: one launch on the 3-D stack", bench_ms(
                 lambda: convert_triton(q3, s3, "fnuz", mode, out=got3, check=False)))
