@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -40,13 +41,27 @@ def fsync_path(path: Path | str) -> None:
         os.close(fd)
 
 
+def temporary_beside(path: Path) -> Path:
+    """The temporary file :func:`write_json_atomic` writes before renaming it over ``path``: ``.tmp.NAME.PID.HEX``."""
+    return path.with_name(f".tmp.{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+
+
+_TEMPORARY = re.compile(r"\.tmp\.(.+)\.\d+\.[0-9a-f]{8}")
+
+
+def temporary_target(name: str) -> str | None:
+    """The file name that a :func:`temporary_beside` file named ``name`` was to replace; None for other names."""
+    match = _TEMPORARY.fullmatch(name)
+    return match.group(1) if match else None
+
+
 def write_json_atomic(path: Path, data: Any, *, durable: bool = False, mode: int = 0o644) -> None:
     """Write JSON to ``path`` by writing a temporary file beside it and renaming it over ``path``.
 
     Readers see the old or the new content, never a torn file. ``durable`` also fsyncs the file
     (not the directory) before the rename.
     """
-    tmp = path.with_name(f".tmp.{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    tmp = temporary_beside(path)
     text = json.dumps(data, indent=1, sort_keys=True)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)

@@ -16,6 +16,7 @@ from .._durable import (
     fs_size_bytes,
     read_json,
     rmtree_force,
+    temporary_target,
 )
 from ..progress import human_bytes
 from .entry import Entry
@@ -375,9 +376,9 @@ class BudgetMixin:
         except FileNotFoundError:
             names = []
         bases = {n.removesuffix(".json") for n in names if not n.startswith(".")}
-        # a status file's temporary (_durable.write_json_atomic: ".tmp.BASE.json.PID.HEX"), left by a process
-        # killed while it replaced its status, belongs to BASE even when nothing else of BASE is left
-        temporaries = {n: n[len(".tmp.") : n.index(".json.")] for n in names if n.startswith(".tmp.") and ".json." in n}
+        # a status file's temporary (_durable.write_json_atomic), left by a process killed while it replaced its
+        # status, belongs to BASE even when nothing else of BASE is left
+        temporaries = {n: t.removesuffix(".json") for n in names if (t := temporary_target(n)) and t.endswith(".json")}
         bases |= set(temporaries.values())
         for base in sorted(bases):
             key = base[:KEY_HEX_LEN]
