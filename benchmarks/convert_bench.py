@@ -22,7 +22,8 @@ Before every cold measurement everything is synced and the source's pages are dr
 
 ``--whole-process`` times whole processes instead, alternated in rounds on the same files: ``cp -r`` +
 ``sync``; ``python -m transformd convert SRC --out D``; ``convert SRC --cache-dir C`` cold, then again (a
-warm hit); and, with the source in the page cache, ``convert --out`` against ``cp -r`` + ``sync`` (the time
+warm hit); with ``--daemon``, a daemon's first resolve and ``convert --cache-dir`` while a daemon serves that
+cache (it converts); and, with the source in the page cache, ``convert --out`` against ``cp -r`` + ``sync`` (the time
 to write and fsync the same bytes). Cold means ``echo 3 > /proc/sys/vm/drop_caches`` (as root), else
 ``posix_fadvise(DONTNEED)`` on the source. The sample stores experts as per-expert 2-D tensors (thousands)
 unless ``--fused``.
@@ -33,6 +34,7 @@ Needs torch, safetensors and numpy; psutil, blake3 (the cache) and a GPU are opt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -45,7 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -311,10 +313,11 @@ def drop_caches(path: Path) -> str:
         return "fadvise"
 
 
-def timed(cmd: list[str], package: str | None = None) -> float:
+def timed(cmd: list[str], package: str | None = None, env: dict[str, str] | None = None) -> float:
     """Seconds the whole process ``cmd`` took; its last line on standard error (the CLI's summary) is printed.
-    ``package``: a directory holding another ``transformd`` package (``--baseline``) to run instead of this one."""
-    env = _child_env()
+    ``package``: a directory holding another ``transformd`` package (``--baseline``) to run instead of this one;
+    ``env``: variables to set for it."""
+    env = {**_child_env(), **(env or {})}
     if package is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
     # run from the package's directory: ``python -m``/``-c`` put the working directory first on sys.path, so
@@ -328,10 +331,10 @@ def timed(cmd: list[str], package: str | None = None) -> float:
     return seconds
 
 
-def daemon_first_resolve(args: argparse.Namespace, root: Path, src: Path, package: str | None = None) -> float:
-    """Seconds from ``transformd resolve SRC`` to ready (a whole client process) against a daemon started just
-    before (not timed) with an empty cache: the first resolve of a source the daemon never saw. ``package``: as
-    in :func:`timed`."""
+@contextlib.contextmanager
+def serving(args: argparse.Namespace, root: Path, src: Path, package: str | None = None) -> Iterator[tuple[Path, Path]]:
+    """A daemon started (not timed) with an empty cache, allowed to read ``src``: its socket and cache directory.
+    Stopped at the end, its cache removed after its entries' timings are printed. ``package``: as in :func:`timed`."""
     sock, cache = root / "td.sock", root / "cache-daemon"
     env = _child_env()
     if package is not None:
@@ -347,14 +350,29 @@ def daemon_first_resolve(args: argparse.Namespace, root: Path, src: Path, packag
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the daemon did not start; see {root / 'daemon.log'}")
             time.sleep(0.2)
-        return timed([sys.executable, "-m", "transformd", "resolve", str(src), "--socket", str(sock), "--target",
-                      args.target, "--scale-mode", args.scale_mode, "--poll-interval", "0.05"], package)
+        yield sock, cache
     finally:
         proc.terminate()
         proc.wait(120)
         for manifest in cache.glob("entries/*/manifest.json"):  # how the daemon got there
             print(f"#   daemon's timings: {json.loads(manifest.read_text()).get('timings')}", file=sys.stderr)
         remove(cache)
+
+
+def daemon_first_resolve(args: argparse.Namespace, root: Path, src: Path, package: str | None = None) -> float:
+    """Seconds from ``transformd resolve SRC`` to ready (a whole client process) against a daemon started just
+    before (not timed) with an empty cache: the first resolve of a source the daemon never saw. ``package``: as
+    in :func:`timed`."""
+    with serving(args, root, src, package) as (sock, _):
+        return timed([sys.executable, "-m", "transformd", "resolve", str(src), "--socket", str(sock), "--target",
+                      args.target, "--scale-mode", args.scale_mode, "--poll-interval", "0.05"], package)
+
+
+def convert_with_daemon(args: argparse.Namespace, root: Path, src: Path, convert: list[str]) -> float:
+    """Seconds of a cold ``convert SRC --cache-dir C`` while a daemon (started before, not timed) serves C: the
+    daemon converts, the process shows its progress (transformd/cli/delegate.py)."""
+    with serving(args, root, src) as (sock, cache):
+        return timed([*convert, "--cache-dir", str(cache)], env={"TRANSFORMD_SOCKET": str(sock)})
 
 
 def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) -> str:
@@ -404,9 +422,11 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
     if args.daemon:  # the first resolve through a daemon (started, not timed, after the page cache was dropped)
         at = [name for name, *_ in steps].index("the same again (warm hit)") + 1
         steps[at:at] = [("daemon: first resolve (cold), to ready", True,
-                         lambda: daemon_first_resolve(args, root, src), None)]
+                         lambda: daemon_first_resolve(args, root, src), None),
+                        ("convert --cache-dir (cold), daemon on C", True,
+                         lambda: convert_with_daemon(args, root, src, convert), None)]
         if args.baseline:
-            steps[at + 1:at + 1] = [("baseline: daemon first resolve (cold)", True,
+            steps[at + 2:at + 2] = [("baseline: daemon first resolve (cold)", True,
                                      lambda: daemon_first_resolve(args, root, src, str(Path(args.baseline).resolve())),
                                      None)]
     if args.skip:
@@ -614,7 +634,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds of the whole-process measurements")
     p.add_argument("--skip", metavar="REGEX", help="with --whole-process: leave out the steps whose name matches")
     p.add_argument("--daemon", action="store_true",
-                   help="with --whole-process: also time a daemon's first resolve of the sample (request to ready)")
+                   help="with --whole-process: also time a daemon's first resolve of the sample (request to ready) "
+                        "and convert --cache-dir while a daemon serves that cache (the daemon converts)")
     p.add_argument("--hash-modes", action="store_true",
                    help="with --whole-process: also time the cache's cold conversion with the source hashed first, "
                         "then converted (the default hashes it alongside the conversion)")

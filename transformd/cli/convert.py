@@ -41,6 +41,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     convert.add_argument("--report", action="store_true",
                          help="print the reconstruction error per tensor and overall before DIR")
+    convert.add_argument("--no-daemon", action="store_true",
+                         help="into the cache, convert in this process even when a transformd daemon serves the "
+                              "same cache directory (by default that daemon converts, without this process's "
+                              "start-up, and this command shows its progress; found as for 'transformd resolve': "
+                              "$TRANSFORMD_SOCKET, $XDG_RUNTIME_DIR/transformd.sock, /run/transformd/transformd.sock)")
     convert.add_argument("--progress-every", metavar="S", type=float, default=5.0,
                          help="seconds between progress lines when standard error is not a terminal (default 5)")
     convert.set_defaults(handler=_run_convert)
@@ -171,19 +176,26 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
     cache = Cache(args.cache_dir, device=args.device)
     recipe = Recipe(target=target, scale_mode=args.scale_mode, select=args.select)
-    known = None  # the source's identity, when the engine check below computed it (not read again to convert)
+    # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
+    # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
+    identity = cache.identity_unless_alongside(args.src)
+    known = None if isinstance(identity, PendingIdentity) else identity
+    cached = None if known is None else cache.get(cache_key(known, recipe))
     if args.engine is not None:  # refuse before converting (headers only); the cache checks everything else
-        # a hit is checked against what its conversion recorded; a large source the stat cache does not know is
-        # not hashed here (it is converted while hashed), nor is its entry looked up
-        identity = cache.identity_unless_alongside(args.src)
-        known = None if isinstance(identity, PendingIdentity) else identity
-        cached = None if known is None else cache.get(cache_key(known, recipe))
+        # a hit is checked against what its conversion recorded
         report = _recorded_readiness(cached) if cached is not None else None
         check_engine(report or plan_readiness(plan_conversion(args.src, select=args.select), target), args.engine,
                      args.src)
-    with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
-        entry = cache.get_or_convert(args.src, recipe, progress=lambda status: bar.update(status.progress),
-                                     identity=known)
+    entry = None
+    if cached is None and not args.no_daemon:
+        from .delegate import convert_through_daemon
+
+        entry = convert_through_daemon(cache, args.src, recipe, engine=args.engine,
+                                       progress_every=args.progress_every)
+    if entry is None:
+        with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
+            entry = cache.get_or_convert(args.src, recipe, progress=lambda status: bar.update(status.progress),
+                                         identity=known)
     _print_outcome(_recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:
@@ -221,7 +233,7 @@ def _cached_summary(entry) -> str:
     if entry.outcome == "hit":
         return (f"transformd: found in the cache (converted earlier, nothing converted now): "
                 f"target {result['target']}, scale mode {result['scale_mode']}; {where}")
-    how = "converted" if entry.outcome == "converted" else "another process converted"
+    how = {"converted": "converted", "daemon": "the daemon converted"}.get(entry.outcome, "another process converted")
     return summary(result, where, how=how, timings=dict(manifest.timings or {}))
 
 

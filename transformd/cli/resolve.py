@@ -27,6 +27,7 @@ import argparse
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 from ..client import (
@@ -41,7 +42,7 @@ from ..engines import TARGET_CHOICES, Engine, readiness_line
 from ..progress import human_bytes
 from .common import EXIT_FAILURE, EXIT_OK, exit_code, fail
 
-__all__ = ["ProgressReporter", "add_commands", "run_health", "run_resolve"]
+__all__ = ["ProgressReporter", "add_commands", "resolve_with_progress", "run_health", "run_resolve"]
 
 TARGETS = TARGET_CHOICES
 ENGINES = tuple(e.value for e in Engine)
@@ -122,48 +123,62 @@ def _client(args: argparse.Namespace) -> TransformdClient:
 def run_resolve(args: argparse.Namespace) -> int:
     """Handler of ``transformd resolve``."""
     reporter = ProgressReporter(sys.stderr, every_s=args.progress_every)
-    last: list[CheckpointStatus] = []
-    # The daemon answers the request once it has the checkpoint's key: for a large checkpoint it never saw, that
-    # takes a read of the whole checkpoint (converted at the same time), with no progress to show until then.
-    waiting = threading.Timer(IDENTIFY_NOTICE_S, lambda: last or reporter.notice(
-        f"the daemon is reading {args.src} to key it (a large checkpoint new to it is converted as it is read, "
+    try:
+        with _client(args) as client:
+            path, seen = resolve_with_progress(
+                client,
+                args.src,
+                reporter,
+                target=args.target,
+                engine=args.engine,
+                scale_mode=args.scale_mode,
+                select=args.select,
+                poll_interval=args.poll_interval,
+                timeout=args.timeout,
+                reconnect_s=args.reconnect,
+                revision=args.revision,
+            )
+    except TransformdError as err:
+        return fail(err, exit_code(err))
+    except KeyboardInterrupt:
+        return fail("interrupted (the conversion goes on in the daemon)", 130)
+    if seen:
+        _say_target_and_readiness(seen[-1].raw, args.engine)
+    print(path, flush=True)
+    return EXIT_OK
+
+
+def resolve_with_progress(
+    client: TransformdClient, src: str, reporter: ProgressReporter, **options: Any
+) -> tuple[Path, list[CheckpointStatus]]:
+    """``client.resolve(src, **options)`` with its progress and notices on ``reporter`` (closed at the end); the
+    converted directory and the first and last answers seen (none when it failed before any).
+
+    The daemon answers the request once it has the checkpoint's key: for a large checkpoint it never saw, that
+    takes a read of the whole checkpoint (converted at the same time), with no progress to show until then, so
+    a line says so after :data:`IDENTIFY_NOTICE_S` seconds without an answer.
+    """
+    seen: list[CheckpointStatus] = []
+    waiting = threading.Timer(IDENTIFY_NOTICE_S, lambda: seen or reporter.notice(
+        f"the daemon is reading {src} to key it (a large checkpoint new to it is converted as it is read, "
         "when a conversion worker is free); progress shows once it has the key"))
     waiting.daemon = True
 
     def progress(status: CheckpointStatus) -> None:
         waiting.cancel()
-        last[:] = [status]
+        if seen:
+            seen[1:] = [status]
+        else:
+            seen.append(status)
         reporter.update(status)
 
     waiting.start()
     try:
-        with _client(args) as client:
-            path = client.resolve(
-                args.src,
-                target=args.target,
-                engine=args.engine,
-                scale_mode=args.scale_mode,
-                select=args.select,
-                progress=progress,
-                poll_interval=args.poll_interval,
-                timeout=args.timeout,
-                reconnect_s=args.reconnect,
-                notice=reporter.notice,
-                revision=args.revision,
-            )
-    except TransformdError as err:
-        reporter.close()
-        return fail(err, exit_code(err))
-    except KeyboardInterrupt:
-        reporter.close()
-        return fail("interrupted (the conversion goes on in the daemon)", 130)
+        path = client.resolve(src, progress=progress, notice=reporter.notice, **options)
     finally:
         waiting.cancel()
-    reporter.close()
-    if last:
-        _say_target_and_readiness(last[0].raw, args.engine)
-    print(path, flush=True)
-    return EXIT_OK
+        reporter.close()
+    return path, seen
 
 
 def _say_target_and_readiness(body: dict[str, Any], engine: str | None) -> None:
