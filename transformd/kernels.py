@@ -397,17 +397,19 @@ def _mx_to_block_fp8_grouped_kernel(
     """
     c = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
     if c < chunks:
+        # The whole row is loaded before the bounds check: its loads go out together (one wait, not two).
         row = table_ptr + c.to(tl.int64) * 8
+        q_off = tl.load(row + 0)
+        s_off = tl.load(row + 1)
+        out_off = tl.load(row + 2)
+        scale_off = tl.load(row + 3)
+        nk = tl.load(row + 4)
+        first_status = tl.load(row + 5)
         local = tl.load(row + 6).to(tl.int32) + tl.program_id(0)  # the tile's index in its weight
         if local < tl.load(row + 7).to(tl.int32):
-            q_off = tl.load(row + 0)
-            s_off = tl.load(row + 1)
-            out_off = tl.load(row + 2)
-            scale_off = tl.load(row + 3)
-            nk = tl.load(row + 4)
             N = (nk >> 32).to(tl.int32)
             K = tl.multiple_of((nk & 0xFFFFFFFF).to(tl.int32), 32)  # the MX contract: K is a multiple of 32
-            status = status_ptr + tl.load(row + 5) + local
+            status = status_ptr + first_status + local
             kt = (K + TILE_ - 1) // TILE_
             nt = (N + TILE_ - 1) // TILE_
             pid_k = local % kt
@@ -616,7 +618,7 @@ def _launch_group(
     # caching host allocator keeps the buffer until it is done.
     host = torch.empty((chunks, 8), dtype=torch.int64, pin_memory=device.type == "cuda")
     table = host.numpy()
-    table[:, :6] = np.reshape(flat, (-1, 6)) if chunks == len(counts) else np.reshape(flat, (-1, 6))[weight]
+    table[:, :6] = np.reshape(flat, (-1, 6))[weight]
     table[:, 6] = start
     table[:, 7] = np.minimum(start + size, counts[weight])
     _mx_to_block_fp8_grouped_kernel[(size, min(chunks, GRID_Y), -(-chunks // GRID_Y))](
