@@ -26,6 +26,7 @@ from .._durable import (
     is_no_space,
     read_json,
     rmtree_force,
+    temporary_beside,
     write_json_atomic,
 )
 from ..progress import human_bytes
@@ -216,7 +217,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                 d.mkdir(exist_ok=True)
             tag = self.root / "CACHEDIR.TAG"
             if not tag.exists():
-                tmp = self.root / f".tmp.tag.{os.getpid()}.{secrets.token_hex(4)}"
+                tmp = temporary_beside(tag)
                 tmp.write_text(
                     "Signature: 8a477f597d28d172789f06886806bc55\n"
                     "# This directory is a cache of converted checkpoints made by transformd.\n"
@@ -248,7 +249,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
             "created_at": time.time(),
             "layout_version": 1,
         }
-        tmp = self.root / f".tmp.config.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp = temporary_beside(self.config_path)
         write_json_atomic(tmp, data)
         try:
             os.link(tmp, self.config_path)  # fails if another process created it first: keep theirs
