@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from transformd import cli
-from transformd.client import TransformdClient
+from transformd.client import CheckpointStatus, TransformdClient
 
 from .support.checkpoints import O, SHARD_B, assert_converted, default_shards, poke, set_tensor, write_checkpoint
 from .support.daemon import metric_value
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 
 #: What a test's ``convert`` process had imported when it ended (an atexit handler prints it last).
 _PROBE = ("import atexit, sys, runpy\nsys.argv = ['transformd', *sys.argv[1:]]\natexit.register(lambda: print("
-          "sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'triton', 'numpy', 'safetensors'}), "
+          "sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'triton', 'numpy', 'safetensors', 'httpx'}), "
           "file=sys.stderr))\nrunpy.run_module('transformd', run_name='__main__')")
 
 
@@ -28,7 +28,7 @@ def _source(path: Path, shards=None) -> Path:
     """A checkpoint whose files are older than the stat cache's racy window (so what one process hashed, another
     finds by the files' stat signatures)."""
     src = write_checkpoint(path, shards)
-    for f in src.iterdir():
+    for f in src.rglob("*"):
         st = f.stat()
         os.utime(f, (st.st_atime - 60, st.st_mtime - 60))
     return src
@@ -39,30 +39,54 @@ def _conversions(daemon) -> float:
         return metric_value(http.get("/metrics").text, "transformd_conversions_total", {"outcome": "converted"})
 
 
+def _requests(daemon) -> float:
+    """Requests the daemon answered, but those for /metrics (this count's own)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with daemon.client() as http:
+        text = http.get("/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "transformd_http_requests_total" and s.labels.get("route") != "/metrics")
+
+
 def _convert(capsys, *argv: str | Path) -> tuple[int, list[str], list[str]]:
     code = cli.main(["convert", *(str(a) for a in argv), "--target", "ocp", "--device", "cpu"])
     captured = capsys.readouterr()
     return code, captured.out.splitlines(), captured.err.splitlines()
 
 
+def _here(stderr: list[str]) -> list[str]:
+    """The lines saying why this process converts, not the daemon."""
+    return [line for line in stderr if line.endswith("; converting in this process")]
+
+
 def test_the_daemon_serving_the_cache_converts_and_the_process_never_imports_torch(tmp_path: Path, daemons) -> None:
+    """The cache named through a symbolic link is still the daemon's; a warm hit asks the daemon nothing; without
+    a daemon's socket nothing of the client is even imported."""
     src, root = _source(tmp_path / "src"), tmp_path / "cache"
     daemon = daemons.start(cache_dir=root, allow_roots=[tmp_path])
+    (tmp_path / "link").symlink_to(root)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
            "TRANSFORMD_SOCKET": str(daemon.socket_path)}
     runs = []
-    for _ in range(2):
-        cmd = [sys.executable, "-c", _PROBE, "convert", str(src), "--cache-dir", str(root), "--target", "ocp"]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    for cache_dir, sock in ((tmp_path / "link", daemon.socket_path), (tmp_path / "link", daemon.socket_path),
+                            (tmp_path / "own", tmp_path / "no.sock")):
+        cmd = [sys.executable, "-c", _PROBE, "convert", str(src), "--cache-dir", str(cache_dir), "--target", "ocp"]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**env, "TRANSFORMD_SOCKET": str(sock)},
+                              timeout=120)
         assert done.returncode == 0, done.stderr
         runs.append(done)
-    first, again = runs
+        if len(runs) == 1:
+            asked = _requests(daemon)
+    first, again, alone = runs
     out = Path(first.stdout.splitlines()[-1])
-    assert out.parent.parent == root / "entries" and out.name == "checkpoint", first.stdout
-    assert "transformd: the daemon converted " in first.stderr and "converting in this process" not in first.stderr
-    assert first.stderr.splitlines()[-1] == "[]", first.stderr  # no torch, triton, numpy nor safetensors here
+    assert out.resolve().parent.parent == root.resolve() / "entries" and out.name == "checkpoint", first.stdout
+    assert "transformd: the daemon converted " in first.stderr and not _here(first.stderr.splitlines())
+    assert first.stderr.splitlines()[-1] == "['httpx']", first.stderr  # no torch, triton, numpy nor safetensors
     assert _conversions(daemon) == 1
     assert again.stdout == first.stdout and "found in the cache" in again.stderr
+    assert again.stderr.splitlines()[-1] == "[]" and _requests(daemon) == asked, again.stderr  # nothing asked
+    assert "transformd: converted " in alone.stderr and "httpx" not in alone.stderr.splitlines()[-1], alone.stderr
     assert_converted(src, out, "ocp", "exact")
 
 
@@ -129,9 +153,10 @@ def test_a_daemon_that_converted_other_files_under_the_path_is_not_believed(
     assert_converted(src, Path(stdout[-1]), "ocp", "exact")
 
 
-def test_an_invalid_checkpoint_fails_once_in_the_daemon_with_its_tensor_named(
+def test_an_invalid_checkpoint_fails_here_as_it_failed_in_the_daemon(
     tmp_path: Path, daemons, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
+    """The daemon may have read other files at that path: its verdict is a line; this process's is final."""
     shards = default_shards()
     set_tensor(f"{O}.weight_scale", poke((1, 1), 0xFF))(shards)
     src, root = _source(tmp_path / "src", shards), tmp_path / "cache"
@@ -139,6 +164,69 @@ def test_an_invalid_checkpoint_fails_once_in_the_daemon_with_its_tensor_named(
     monkeypatch.setenv("TRANSFORMD_SOCKET", str(daemon.socket_path))
     code, stdout, stderr = _convert(capsys, src, "--cache-dir", root)
     assert code == 2 and stdout == [], stderr
-    assert not any("converting in this process" in line for line in stderr), stderr
+    said = _here(stderr)
+    assert len(said) == 1 and "did not convert it: " in said[0] and "(HTTP 422" in said[0], stderr
     assert SHARD_B in stderr[-1] and f"{O}.weight" in stderr[-1] and "E8M0 scale byte 0xFF" in stderr[-1], stderr
+    assert stderr[-1].startswith("transformd: error: ") and "HTTP" not in stderr[-1], stderr  # this process's own
     assert not any((root / "entries").iterdir())
+
+
+def test_a_daemon_that_sees_an_empty_directory_there_does_not_fail_the_conversion(
+    tmp_path: Path, daemons, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Another mount namespace where SRC's path names an empty directory: the daemon refuses it (422); here it
+    converts."""
+    src, root, empty = _source(tmp_path / "src"), tmp_path / "cache", tmp_path / "empty"
+    empty.mkdir()
+    daemon = daemons.start(cache_dir=root, allow_roots=[tmp_path])
+    monkeypatch.setenv("TRANSFORMD_SOCKET", str(daemon.socket_path))
+    resolve = TransformdClient.resolve
+    monkeypatch.setattr(TransformdClient, "resolve", lambda self, source, **kw: resolve(self, empty, **kw))
+    code, stdout, stderr = _convert(capsys, src, "--cache-dir", root)
+    assert code == 0 and stderr[-1].startswith("transformd: converted "), stderr
+    said = _here(stderr)
+    assert len(said) == 1 and "did not convert it: " in said[0] and "(HTTP 422" in said[0], stderr
+    assert_converted(src, Path(stdout[-1]), "ocp", "exact")
+
+
+@pytest.mark.parametrize("answer", ["degraded", "version", "malformed"])
+def test_a_degraded_other_version_or_garbled_daemon_leaves_the_work_here(
+    tmp_path: Path, daemons, monkeypatch: pytest.MonkeyPatch, capsys, answer: str
+) -> None:
+    """One line each (the daemon's words on one line, control characters replaced); then this process converts."""
+    src, root = _source(tmp_path / "src"), tmp_path / "cache"
+    daemon = daemons.start(cache_dir=root, allow_roots=[tmp_path])
+    monkeypatch.setenv("TRANSFORMD_SOCKET", str(daemon.socket_path))
+    health = TransformdClient.health
+    changed = {"degraded": {"status": "degraded", "problems": ["disk\x1b[2J full\nread-only"]},
+               "version": {"version": "0.0.1"}, "malformed": {}}[answer]
+    monkeypatch.setattr(TransformdClient, "health", lambda self, **kw: {**health(self, **kw), **changed})
+    if answer == "malformed":  # an answer that is not an object where one is due
+        monkeypatch.setattr(TransformdClient, "submit", lambda self, *a, **kw: CheckpointStatus.from_json(["ready"]))
+    code, stdout, stderr = _convert(capsys, src, "--cache-dir", root)
+    assert code == 0 and stderr[-1].startswith("transformd: converted "), stderr
+    said = _here(stderr)
+    expected = {"degraded": "is degraded (disk?[2J full read-only)", "version": "is transformd 0.0.1, this is ",
+                "malformed": "did not convert it: "}[answer]
+    assert len(said) == 1 and expected in said[0], stderr
+    assert _conversions(daemon) == 0
+    assert_converted(src, Path(stdout[-1]), "ocp", "exact")
+
+
+def test_a_daemon_that_had_the_content_already_is_a_hit(
+    tmp_path: Path, daemons, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """This process leaves a large new source unread (its conversion would hash it): stood for by a threshold of 0
+    bytes here. The daemon converted the same content at another path before; asked for this one, it has it."""
+    from transformd import cache as cache_module
+
+    src, copy, root = _source(tmp_path / "src"), _source(tmp_path / "copy"), tmp_path / "cache"
+    daemon = daemons.start(cache_dir=root, allow_roots=[tmp_path])
+    monkeypatch.setenv("TRANSFORMD_SOCKET", str(daemon.socket_path))
+    code, stdout, stderr = _convert(capsys, copy, "--cache-dir", root)
+    assert code == 0 and "transformd: the daemon converted " in stderr[-1], stderr
+    monkeypatch.setattr(cache_module, "Cache", type("Cache", (cache_module.Cache,), {"hash_alongside_min_bytes": 0}))
+    asked = _requests(daemon)
+    code, again, stderr = _convert(capsys, src, "--cache-dir", root)
+    assert code == 0 and again == stdout and _conversions(daemon) == 1 and _requests(daemon) > asked
+    assert stderr[-1].startswith("transformd: found in the cache "), stderr

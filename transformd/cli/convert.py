@@ -190,8 +190,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     if cached is None and not args.no_daemon:
         from .delegate import convert_through_daemon
 
-        entry = convert_through_daemon(cache, args.src, recipe, engine=args.engine,
-                                       progress_every=args.progress_every)
+        entry = convert_through_daemon(cache, args.src, recipe, known=known, progress_every=args.progress_every)
     if entry is None:
         with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
             entry = cache.get_or_convert(args.src, recipe, progress=lambda status: bar.update(status.progress),
