@@ -15,8 +15,9 @@ class Entry:
 
     ``path`` is the converted checkpoint directory (give it to the engine); ``root`` the entry
     directory holding it and ``manifest.json``. ``outcome`` says how this call got it: ``hit``,
-    ``converted`` (this process converted it) or ``waited`` (another process did). ``lease`` is
-    set when the entry was obtained with ``lease_ttl``.
+    ``converted`` (this process converted it), ``waited`` (another process did) or ``daemon`` (a daemon
+    did, asked by ``convert``: :mod:`transformd.cli.delegate`). ``lease`` is set when the entry was
+    obtained with ``lease_ttl``.
     """
 
     def __init__(self, key: str, root: Path, last_used: float, *, outcome: str = "hit", lease: Lease | None = None):

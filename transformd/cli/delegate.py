@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 from .._version import __version__
@@ -54,7 +55,7 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
     from .resolve import ProgressReporter, resolve_with_progress
 
     client = TransformdClient(socket=sock, timeout=REQUEST_TIMEOUT_S)
-    asked = False
+    asked = 0.0
     try:
         with client:
             health = client.health(degraded_ok=True)
@@ -65,11 +66,12 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
             if health.get("status") != "ok":
                 raise _NotHere(f"is degraded ({'; '.join(map(str, health.get('problems') or [])) or 'no reason'})")
             reporter = ProgressReporter(sys.stderr, every_s=progress_every)
-            asked = True
-            _, seen = resolve_with_progress(client, os.fspath(src), reporter, target=recipe.target,
-                                            scale_mode=recipe.scale_mode, select=recipe.select,
-                                            poll_interval=POLL_INTERVAL_S)
+            asked = time.time()
+            resolve_with_progress(client, os.fspath(src), reporter, target=recipe.target,
+                                  scale_mode=recipe.scale_mode, select=recipe.select, poll_interval=POLL_INTERVAL_S)
         entry = cache.get(cache_key(known, recipe)) if known is not None else cache.lookup(src, recipe)
+        # converted since it was asked (for this request, or for another at the same time), or cached before
+        outcome = None if entry is None else "daemon" if entry.manifest.created_at >= asked else "hit"
     except KeyboardInterrupt:
         if asked:
             print(f"transformd: the conversion goes on in the daemon at {client.where}", file=sys.stderr)
@@ -81,7 +83,7 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
     if entry is None:
         return _converting_here(f"the daemon at {client.where} converted files that are not {src} as this "
                                 "process reads them (another mount namespace?)")
-    entry.outcome = "hit" if seen and seen[0].ready else "daemon"
+    entry.outcome = outcome
     return entry
 
 

@@ -125,7 +125,7 @@ def run_resolve(args: argparse.Namespace) -> int:
     reporter = ProgressReporter(sys.stderr, every_s=args.progress_every)
     try:
         with _client(args) as client:
-            path, seen = resolve_with_progress(
+            path, last = resolve_with_progress(
                 client,
                 args.src,
                 reporter,
@@ -142,34 +142,31 @@ def run_resolve(args: argparse.Namespace) -> int:
         return fail(err, exit_code(err))
     except KeyboardInterrupt:
         return fail("interrupted (the conversion goes on in the daemon)", 130)
-    if seen:
-        _say_target_and_readiness(seen[-1].raw, args.engine)
+    if last is not None:
+        _say_target_and_readiness(last.raw, args.engine)
     print(path, flush=True)
     return EXIT_OK
 
 
 def resolve_with_progress(
     client: TransformdClient, src: str, reporter: ProgressReporter, **options: Any
-) -> tuple[Path, list[CheckpointStatus]]:
-    """``client.resolve(src, **options)`` with its progress and notices on ``reporter`` (closed at the end); the
-    converted directory and the first and last answers seen (none when it failed before any).
+) -> tuple[Path, CheckpointStatus | None]:
+    """``client.resolve(src, **options)`` with its progress and notices on ``reporter`` (closed at the end): the
+    converted directory and the last answer seen.
 
     The daemon answers the request once it has the checkpoint's key: for a large checkpoint it never saw, that
     takes a read of the whole checkpoint (converted at the same time), with no progress to show until then, so
     a line says so after :data:`IDENTIFY_NOTICE_S` seconds without an answer.
     """
-    seen: list[CheckpointStatus] = []
-    waiting = threading.Timer(IDENTIFY_NOTICE_S, lambda: seen or reporter.notice(
+    last: list[CheckpointStatus] = []
+    waiting = threading.Timer(IDENTIFY_NOTICE_S, lambda: last or reporter.notice(
         f"the daemon is reading {src} to key it (a large checkpoint new to it is converted as it is read, "
         "when a conversion worker is free); progress shows once it has the key"))
     waiting.daemon = True
 
     def progress(status: CheckpointStatus) -> None:
         waiting.cancel()
-        if seen:
-            seen[1:] = [status]
-        else:
-            seen.append(status)
+        last[:] = [status]
         reporter.update(status)
 
     waiting.start()
@@ -178,7 +175,7 @@ def resolve_with_progress(
     finally:
         waiting.cancel()
         reporter.close()
-    return path, seen
+    return path, (last[0] if last else None)
 
 
 def _say_target_and_readiness(body: dict[str, Any], engine: str | None) -> None:
