@@ -39,7 +39,7 @@ POLL_INTERVAL_S = 0.2
 
 
 class _NotHere(Exception):
-    """This daemon is not the one to ask (another cache, another version): nothing to say, or one line."""
+    """This daemon serves the cache but is not to be asked (another version, degraded): one line says why."""
 
 
 def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Recipe, *,
@@ -55,7 +55,7 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
     from .resolve import ProgressReporter, resolve_with_progress
 
     client = TransformdClient(socket=sock, timeout=REQUEST_TIMEOUT_S)
-    asked = 0.0
+    asked, done = 0.0, False
     try:
         with client:
             health = client.health(degraded_ok=True)
@@ -69,11 +69,12 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
             asked = time.time()
             resolve_with_progress(client, os.fspath(src), reporter, target=recipe.target,
                                   scale_mode=recipe.scale_mode, select=recipe.select, poll_interval=POLL_INTERVAL_S)
+            done = True
         entry = cache.get(cache_key(known, recipe)) if known is not None else cache.lookup(src, recipe)
         # converted since it was asked (for this request, or for another at the same time), or cached before
         outcome = None if entry is None else "daemon" if entry.manifest.created_at >= asked else "hit"
     except KeyboardInterrupt:
-        if asked:
+        if asked and not done:
             print(f"transformd: the conversion goes on in the daemon at {client.where}", file=sys.stderr)
         raise
     except _NotHere as why:
