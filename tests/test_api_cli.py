@@ -144,3 +144,20 @@ def test_default_socket_path_order(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings().socket_path() == Path("/srv/td.sock")
     with pytest.raises(SettingsError, match="limit"):
         Settings(socket="/tmp/" + "x" * 120).check()
+
+
+def test_the_daemon_log_escapes_control_characters() -> None:
+    """A failed conversion's log line names tensors of an untrusted checkpoint: escaped, tracebacks kept in lines."""
+    import logging
+
+    from transformd.cli.serve import VisibleFormatter
+
+    try:
+        raise ValueError("tensor x\x1b]0;owned\x07")
+    except ValueError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord("transformd.daemon", logging.ERROR, __file__, 1, "conversion of %s failed: %s",
+                               ("/models/m", "tensor a\x1b[2Jb"), exc_info)
+    lines = VisibleFormatter("%(levelname)s %(message)s").format(record).split("\n")
+    assert lines[0] == "ERROR conversion of /models/m failed: tensor a\\x1b[2Jb"
+    assert lines[-1] == "ValueError: tensor x\\x1b]0;owned\\x07" and len(lines) > 2

@@ -19,7 +19,16 @@ from transformd import cli
 from transformd.errors import CheckpointError
 from transformd.sample import write_sample_checkpoint
 
-from .support.checkpoints import O, SHARD_B, assert_converted, default_shards, poke, set_tensor, write_checkpoint
+from .support.checkpoints import (
+    O,
+    SHARD_B,
+    assert_converted,
+    default_shards,
+    mx_pair,
+    poke,
+    set_tensor,
+    write_checkpoint,
+)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, list[str], list[str]]:
@@ -112,6 +121,19 @@ def test_convert_invalid_values_exit_2_nothing_written(tmp_path: Path, capsys) -
     assert code == 2 and stdout == [] and len(stderr) == 1
     assert SHARD_B in stderr[0] and f"{O}.weight" in stderr[0] and "E8M0 scale byte 0xFF" in stderr[0]
     assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_a_hostile_tensor_name_cannot_drive_the_terminal(tmp_path: Path, capsys) -> None:
+    """A checkpoint's names are untrusted: control characters in the error line are escaped, not emitted."""
+    name = "model.layers.0.mlp.experts.9\x1b[2J\x1b]0;owned\x07.down_proj"
+    shards = default_shards()
+    shards[SHARD_B].update(mx_pair(name, (64, 96), seed=3))
+    set_tensor(f"{name}.weight_scale", poke((0, 0), 0xFF))(shards)
+    src = write_checkpoint(tmp_path / "src", shards)
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu")
+    assert code == 2 and stdout == [] and len(stderr) == 1
+    assert "\x1b" not in stderr[0] and "\x07" not in stderr[0]
+    assert "experts.9\\x1b[2J\\x1b]0;owned\\x07.down_proj.weight" in stderr[0] and "0xFF" in stderr[0], stderr
 
 
 def test_convert_not_a_checkpoint_exit_2(tmp_path: Path, capsys) -> None:

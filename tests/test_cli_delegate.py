@@ -206,7 +206,7 @@ def test_a_degraded_other_version_or_garbled_daemon_leaves_the_work_here(
     code, stdout, stderr = _convert(capsys, src, "--cache-dir", root)
     assert code == 0 and stderr[-1].startswith("transformd: converted "), stderr
     said = _here(stderr)
-    expected = {"degraded": "is degraded (disk?[2J full read-only)", "version": "is transformd 0.0.1, this is ",
+    expected = {"degraded": "is degraded (disk\\x1b[2J full read-only)", "version": "is transformd 0.0.1, this is ",
                 "malformed": "did not convert it: "}[answer]
     assert len(said) == 1 and expected in said[0], stderr
     assert _conversions(daemon) == 0

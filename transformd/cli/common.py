@@ -10,7 +10,8 @@ from .. import errors
 from ..engines import TARGET_CHOICES, Engine
 from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILURE", "EXIT_OK", "add_target_arguments", "exit_code", "fail", "positive_int"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILURE", "EXIT_OK", "add_target_arguments", "exit_code", "fail", "positive_int",
+           "shown", "visible"]
 
 
 def exit_code(err: BaseException) -> int | None:
@@ -30,9 +31,21 @@ def exit_code(err: BaseException) -> int | None:
 
 def fail(err: BaseException | str, code: int, stream: TextIO | None = None) -> int:
     """Print ``transformd: error: MESSAGE`` (one line) on standard error; return ``code``."""
-    message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the exception text holds
+    message = shown(err) or type(err).__name__  # one line, whatever the exception text holds
     print(f"transformd: error: {message}", file=stream or sys.stderr)
     return code
+
+
+def shown(text: object) -> str:
+    """``text`` on one line, fit for a terminal or a log: each run of whitespace one space, every other control
+    character written as Python escapes it (``\\x1b``). Tensor and file names come from untrusted checkpoints, and
+    messages from a daemon: neither may break a line or drive the terminal (move the cursor, clear the screen)."""
+    return visible(" ".join(str(text).split()))
+
+
+def visible(text: str) -> str:
+    """``text`` with its lines kept and every other control character escaped (see :func:`shown`): for tables."""
+    return "\n".join("".join(c if c.isprintable() else repr(c)[1:-1] for c in line) for line in text.split("\n"))
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:

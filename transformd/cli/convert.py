@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..formats import ScaleMode
-from .common import EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, positive_int
+from .common import EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, positive_int, shown, visible
 
 __all__ = ["add_commands"]
 
@@ -108,20 +108,20 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
     """After a conversion, on standard error: with ``--engine``, the target chosen and whether that engine loads
     it; without, a warning for each engine that could not load it at any tensor-parallel size."""
     if engine is not None:
-        print(f"transformd: target {target}: {why}", file=sys.stderr)
+        print(shown(f"transformd: target {target}: {why}"), file=sys.stderr)
     from ..engines import readiness_line
 
     for name, r in report.items():
         if engine == name:
             said = readiness_line(r.loads_at, r.problems)
-            print(f"transformd: {name}: {said}" + (f" (not at others: {r.problems[0]})" if r.problems else ""),
+            print(shown(f"transformd: {name}: {said}" + (f" (not at others: {r.problems[0]})" if r.problems else "")),
                   file=sys.stderr)
         elif engine is None and not r.loads:
-            print(f"transformd: warning: {name} could not load this checkpoint at any TP size: {r.problems[0]}",
+            print(shown(f"transformd: warning: {name} could not load this checkpoint at any TP size: {r.problems[0]}"),
                   file=sys.stderr)
         if engine in (None, name):
             for warning in r.warnings:
-                print(f"transformd: warning: {warning}", file=sys.stderr)
+                print(shown(f"transformd: warning: {warning}"), file=sys.stderr)
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -156,13 +156,13 @@ def _run_convert(args: argparse.Namespace) -> int:
         )
     _print_outcome(result.readiness, args.engine, target, why)
     if result.left_out:
-        print(f"transformd: note: not referenced by the index, not carried over: {', '.join(result.left_out)}",
+        print(shown(f"transformd: note: not referenced by the index, not carried over: {', '.join(result.left_out)}"),
               file=sys.stderr)
     print(summary(result, f"into {result.out}"), file=sys.stderr, flush=True)
     if args.report:
         from ..report import compare_checkpoints
 
-        print(compare_checkpoints(args.src, result.out).format_table(legend=True))
+        print(visible(compare_checkpoints(args.src, result.out).format_table(legend=True)))
     print(result.out)
     return EXIT_OK
 
@@ -200,7 +200,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     if args.report:
         from ..report import compare_checkpoints
 
-        print(compare_checkpoints(args.src, entry.path).format_table(legend=True))
+        print(visible(compare_checkpoints(args.src, entry.path).format_table(legend=True)))
     print(entry.path)
     return EXIT_OK
 
@@ -266,14 +266,14 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
         report = readiness_of_dir(args.src)
         for name, r in report.items():
-            print(f"{name}: {readiness_line(r.loads_at, r.problems)}")
+            print(shown(f"{name}: {readiness_line(r.loads_at, r.problems)}"))
             for line in [*r.problems, *(f"warning: {w}" for w in r.warnings)]:
-                print(f"  {line}")
+                print(f"  {shown(line)}")
         print(args.src)
         return EXIT_OK if any(r.loads for r in report.values()) else EXIT_BAD_INPUT
     from ..report import compare_checkpoints
 
-    print(compare_checkpoints(args.src, args.out).format_table(legend=True))
+    print(visible(compare_checkpoints(args.src, args.out).format_table(legend=True)))
     print(args.out)
     return EXIT_OK
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from .._version import __version__
 from ..cache import Cache, Entry, Recipe, SourceIdentity, cache_key
 from ..client import default_socket_path
+from .common import shown
 
 __all__ = ["convert_through_daemon"]
 
@@ -98,6 +99,5 @@ def _same_directory(theirs: object, ours: Path) -> bool:
 
 
 def _converting_here(why: str) -> None:
-    said = "".join(c if c.isprintable() else "?" for c in " ".join(why.split()))  # the daemon's words, one line
-    print(f"transformd: {said}; converting in this process", file=sys.stderr, flush=True)
+    print(shown(f"transformd: {why}; converting in this process"), file=sys.stderr, flush=True)  # its words too
     return None

@@ -40,7 +40,7 @@ from ..client import (
 )
 from ..engines import TARGET_CHOICES, Engine, readiness_line
 from ..progress import human_bytes
-from .common import EXIT_FAILURE, EXIT_OK, exit_code, fail
+from .common import EXIT_FAILURE, EXIT_OK, exit_code, fail, shown
 
 __all__ = ["ProgressReporter", "add_commands", "resolve_with_progress", "run_health", "run_resolve"]
 
@@ -182,11 +182,11 @@ def _say_target_and_readiness(body: dict[str, Any], engine: str | None) -> None:
     """Why this target, and whether the engines load the result, on standard error (from the daemon's answer)."""
     recipe = body.get("recipe") or {}
     if body.get("target_reason"):
-        print(f"transformd: target {recipe.get('target', 'none')}: {body['target_reason']}", file=sys.stderr)
+        print(shown(f"transformd: target {recipe.get('target', 'none')}: {body['target_reason']}"), file=sys.stderr)
     for name, r in (body.get("readiness") or {}).items():
         if engine in (None, name) and isinstance(r, dict):
             said = readiness_line(r.get("loads_at") or [], r.get("problems") or [])
-            print(f"transformd: {name}: {said}", file=sys.stderr)
+            print(shown(f"transformd: {name}: {said}"), file=sys.stderr)
 
 
 def run_health(args: argparse.Namespace) -> int:
@@ -197,9 +197,9 @@ def run_health(args: argparse.Namespace) -> int:
     except TransformdError as err:
         return fail(err, EXIT_FAILURE)
     status = str(data.get("status", "ok"))
-    problems = [" ".join(str(p).split()) for p in (data.get("problems") or [])]
+    problems = [shown(p) for p in (data.get("problems") or [])]
     if not args.quiet or status.lower() != "ok":
-        print(status)
+        print(shown(status))
     if status.lower() == "ok":
         return EXIT_OK
     reasons = "; ".join(problems) or "no reason given"
@@ -235,7 +235,7 @@ class ProgressReporter:
         p = status.progress
         if p is None or p.bytes_total is None or p.bytes_done is None:
             if status.state != self._last_state and not status.ready:
-                print(f"transformd: {status.key[:12]} {status.state}", file=self._stream, flush=True)
+                print(shown(f"transformd: {status.key[:12]} {status.state}"), file=self._stream, flush=True)
             return
         if self._bar is None:
             from tqdm import tqdm
@@ -254,13 +254,13 @@ class ProgressReporter:
         if not (changed or due):
             return
         self._last_line = now
-        print(f"transformd: {status.key[:12]} {describe(status)}", file=self._stream, flush=True)
+        print(shown(f"transformd: {status.key[:12]} {describe(status)}"), file=self._stream, flush=True)
 
     def notice(self, message: str) -> None:
         """A line about the connection (the daemon went away, reconnected), so progress that starts over
         is explained; the next update prints (or starts a new bar) whatever its state."""
         self.close()
-        print(f"transformd: {message}", file=self._stream, flush=True)
+        print(shown(f"transformd: {message}"), file=self._stream, flush=True)
         self._last_state = "notice"
         self._last_line = None
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import EXIT_BAD_INPUT
+from .common import EXIT_BAD_INPUT, visible
 
 
 def _settings_from_args(args: argparse.Namespace) -> Any:
@@ -48,8 +48,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
         print(f"transformd: error: bad settings: {problems}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(VisibleFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
     return serve(settings)  # a SettingsError (2) or CacheError (1) is reported by transformd.cli.main
+
+
+class VisibleFormatter(logging.Formatter):
+    """Log lines with their control characters escaped (:func:`~transformd.cli.common.visible`): an error names
+    tensors and files of untrusted checkpoints, and must not drive the terminal that shows the log; tracebacks
+    keep their lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return visible(super().format(record))
 
 
 def add_commands(subparsers: Any) -> argparse.ArgumentParser:
