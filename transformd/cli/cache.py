@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from ..errors import TransformdError
 from ..progress import human_bytes
-from .common import exit_code, fail
+from .common import exit_code, fail, shown
 
 if TYPE_CHECKING:
     from ..cache import Cache, VerifyResult
@@ -37,6 +37,7 @@ def _ago(t: float | None, now: float) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str], out: TextIO, *, right: Sequence[int] = ()) -> None:
+    rows = [[shown(c) for c in r] for r in rows]  # a source's path is whatever its directory was named
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         cells = [
@@ -128,7 +129,7 @@ def _print_verify(results: list[VerifyResult], out: TextIO) -> None:
         else:
             where = f" -> quarantined to {r.quarantined_to}" if r.quarantined_to else ""
             out.write(f"CORRUPT  {r.key}{where}\n")
-            out.writelines(f"           {p}\n" for p in r.problems)
+            out.writelines(f"           {shown(p)}\n" for p in r.problems)
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
