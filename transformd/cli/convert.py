@@ -186,8 +186,8 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         report = _recorded_readiness(cached) if cached is not None else None
         check_engine(report or plan_readiness(plan_conversion(args.src, select=args.select), target), args.engine,
                      args.src)
-    entry = None
-    if cached is None and not args.no_daemon:
+    entry = cached  # a hit: the source was keyed and its entry found above, neither is done again
+    if entry is None and not args.no_daemon:
         from .delegate import convert_through_daemon
 
         entry = convert_through_daemon(cache, args.src, recipe, known=known, progress_every=args.progress_every)
