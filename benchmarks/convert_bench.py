@@ -429,8 +429,30 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
             steps[at + 2:at + 2] = [("baseline: daemon first resolve (cold)", True,
                                      lambda: daemon_first_resolve(args, root, src, str(Path(args.baseline).resolve())),
                                      None)]
-    if args.skip:
-        steps = [step for step in steps if not re.search(args.skip, step[0])]
+    if args.read_ahead_modes:  # convert --out with the start-up read-ahead (transformd/readahead.py) changed
+        def out_with(patch: str) -> Callable[[], float]:
+            code = (f"import sys, runpy\nimport transformd.readahead as r\n{patch}\nsys.argv = ['transformd', "
+                    f"*sys.argv[1:]]\nrunpy.run_module('transformd', run_name='__main__')")
+            return lambda: timed([sys.executable, "-c", code, *convert[3:], "--out", str(root / "out")])
+
+        at = [name for name, *_ in steps].index("convert SRC --out D") + 1
+        steps[at:at] = [(f"convert --out, read-ahead {mode}", True, out_with(patch), root / "out") for mode, patch in (
+            ("off", "r.read_ahead_bytes = lambda most=0: 0"),
+            ("after import torch", "init = r.ReadAhead.__init__\ndef late(self, *a, **k):\n    import torch\n"
+                                   "    init(self, *a, **k)\nr.ReadAhead.__init__ = late"),
+            ("in 1 MiB reads", "r._SLICE_BYTES = 1 << 20"),
+            ("at idle I/O priority", "import ctypes, threading\nrun = r.ReadAhead._run\ndef idle(self):\n"
+                                     "    ctypes.CDLL(None, use_errno=True).syscall(251, 1, threading.get_native_id(), "
+                                     "3 << 13)\n    run(self)\nr.ReadAhead._run = idle"),
+        )]
+    if args.skip:  # a left-out step's clean-up (a warm hit removes the cold step's cache) goes to the step before
+        kept: list[tuple[Any, ...]] = []
+        for step in steps:
+            if not re.search(args.skip, step[0]):
+                kept.append(step)
+            elif step[3] is not None and kept and kept[-1][3] is None:
+                kept[-1] = (*kept[-1][:3], step[3])
+        steps = kept
     imports = timed([sys.executable, "-c", "import torch, transformd.checkpoint, transformd.cli"])
     times: dict[str, list[float]] = {name: [] for name, *_ in steps}
     how = "?"
@@ -639,6 +661,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hash-modes", action="store_true",
                    help="with --whole-process: also time the cache's cold conversion with the source hashed first, "
                         "then converted (the default hashes it alongside the conversion)")
+    p.add_argument("--read-ahead-modes", action="store_true",
+                   help="with --whole-process: also time convert --out with its start-up read-ahead off, started "
+                        "after import torch, in 1 MiB reads, at the idle I/O priority")
     p.add_argument("--baseline-out", action="store_true",
                    help="with --baseline: also time the baseline's convert --out (cold and from the page cache)")
     p.add_argument("--baseline", default=None, metavar="DIR",

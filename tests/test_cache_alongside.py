@@ -43,7 +43,7 @@ def hashes(monkeypatch) -> list[str]:
     """The names of the files hashed by BLAKE3 (the key's reads)."""
     seen: list[str] = []
     real = keys.hash_file
-    monkeypatch.setattr(keys, "hash_file", lambda p: seen.append(os.path.basename(os.readlink(p))) or real(p))
+    monkeypatch.setattr(keys, "hash_file", lambda p, *a: seen.append(os.path.basename(os.readlink(p))) or real(p, *a))
     return seen
 
 
@@ -257,3 +257,95 @@ def test_the_key_is_locked_before_the_stat_cache_tells_other_processes_the_key(t
     entry = cache.get_or_convert(src, Recipe(target="ocp"))
     assert entry.key == key and "hash_alongside" in entry.manifest.timings
     assert held == [True], "the key's lock was free when the stat cache learned the digests"
+
+
+class _PacedCopy:
+    """Copies the source's files into ``out`` 4 KiB at a time, reporting ``bytes_done`` after each block (a
+    conversion whose pace the hashing beside it must keep to); ``report``: whether it reports at all."""
+
+    def __init__(self, events: list, lock: threading.Lock, report: bool = True):
+        self.events, self.lock, self.report = events, lock, report
+
+    def __call__(self, src, out, recipe, progress):
+        out.mkdir()
+        done = 0
+        for f in sorted(Path(src).iterdir()):
+            data = f.read_bytes()
+            with open(out / f.name, "wb") as dst:
+                for start in range(0, len(data), 4096):
+                    dst.write(data[start:start + 4096])
+                    done += len(data[start:start + 4096])
+                    if self.report:
+                        with self.lock:
+                            self.events.append(("done", done))
+                        progress({"bytes_done": done})
+                        threading.Event().wait(0.001)
+                os.fsync(dst.fileno())
+        with self.lock:
+            self.events.append(("end", done))
+
+
+def _paced_source(d: Path) -> Path:
+    d.mkdir()
+    for i in range(3):
+        (d / f"part-{i}.bin").write_bytes(os.urandom(64 << 10))
+    return _old(d)
+
+
+@pytest.fixture
+def hash_reads(monkeypatch) -> tuple[list, threading.Lock]:
+    """The hashing thread's reads, as ("read", bytes read so far) events, with a lock to add the conversion's."""
+    events: list = []
+    lock = threading.Lock()
+    real, total = os.preadv, [0]
+
+    def preadv(fd, buffers, offset, *args):
+        n = real(fd, buffers, offset, *args)
+        if threading.current_thread().name == "transformd-hash":
+            with lock:
+                total[0] += n
+                events.append(("read", total[0]))
+        return n
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(keys, "HASH_CHUNK_BYTES", 4096)
+    return events, lock
+
+
+def test_the_hashing_keeps_within_its_lead_of_the_conversion(tmp_path, hash_reads):
+    """The hashing beside a conversion reads ahead of it by ``hash_lead_bytes`` at the most (a hashing that ran on
+    alone took the disk from the conversion's writes, and a source larger than the page cache would be read
+    twice), and the key is still the content's."""
+    events, lock = hash_reads
+    src = _paced_source(tmp_path / "src")
+    cache = _cache(tmp_path / "cache", _PacedCopy(events, lock))
+    cache.hash_lead_bytes = 16 << 10
+    entry = cache.get_or_convert(src, Recipe(target="ocp"))
+    assert entry.outcome == "converted" and "hash_alongside" in entry.manifest.timings
+    assert entry.key == Cache(tmp_path / "other", budget_bytes="1G").key_for(src, Recipe(target="ocp"))
+    done, paces, ended = 0, set(), False
+    for kind, n in events:
+        if kind == "done":
+            done = n
+        elif kind == "end":
+            ended = True
+        elif not ended:
+            assert n <= done + cache.hash_lead_bytes, f"read to byte {n} with the conversion at {done}"
+            paces.add(done)
+    assert sum(1 for kind, _ in events if kind == "read") == 3 * 16, "every byte hashed once, 4 KiB at a time"
+    assert len(paces) > 10, "the hashing went on step by step with the conversion"
+
+
+def test_a_conversion_that_reports_no_progress_still_gets_its_key(tmp_path, hash_reads):
+    """The pace is lifted once the conversion waits for the key: a converter that never reports bytes does not
+    leave the hashing stuck at its lead."""
+    events, lock = hash_reads
+    src = _paced_source(tmp_path / "src")
+    cache = _cache(tmp_path / "cache", _PacedCopy(events, lock, report=False))
+    cache.hash_lead_bytes = 16 << 10
+    entry = cache.get_or_convert(src, Recipe(target="ocp"))
+    assert entry.key == Cache(tmp_path / "other", budget_bytes="1G").key_for(src, Recipe(target="ocp"))
+    reads = [n for kind, n in events if kind == "read"]
+    end = events.index(("end", 3 * (64 << 10)))
+    assert max(n for kind, n in events[:end] if kind == "read") == 16 << 10, "paced at its lead until then"
+    assert reads[-1] == 3 * (64 << 10)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,11 +26,11 @@ def count_hashes(monkeypatch):
     calls: list[str] = []
     real = keys_mod.hash_file
 
-    def counting(path):
+    def counting(path, *args):
         p = os.fspath(path)
         # the key code reads through checked descriptors (cache.securefs): name the file the descriptor is
         calls.append(os.readlink(p) if p.startswith("/proc/self/fd/") else p)
-        return real(path)
+        return real(path, *args)
 
     monkeypatch.setattr(keys_mod, "hash_file", counting)
     return calls
@@ -302,3 +304,28 @@ def test_hub_local_dir_download_uses_recorded_etags(tmp_path, count_hashes):
     edited = {x.name: x.digest for x in source_identity(local).files}
     assert edited["config.json"].startswith("blake3:") and edited["model.safetensors"].startswith("hf-sha256:")
     assert count_hashes == [str(f)]
+
+
+@pytest.mark.parametrize("layout", ["plain", "hub"])
+def test_a_file_truncated_while_it_is_hashed_is_an_error_not_a_crash(tmp_path, layout):
+    """The owner of a source can shorten a file while the daemon hashes it: the hashing must end in an error that
+    names the file, never in a SIGBUS that kills the daemon (the fate of a memory-mapped read past the new end;
+    a hub blob, verified against its name through the descriptor opened before, was read that way)."""
+    files = {"model.safetensors": os.urandom(1 << 20), "config.json": b"{}"}
+    src = write_source(tmp_path / "src", files) if layout == "plain" else _hub_repo(tmp_path / "hub", files, "a" * 40)
+    script = (
+        "import os, sys\n"
+        "from transformd.cache.errors import SourceError\n"
+        "from transformd.cache.keys import identity_of_tree\n"
+        "from transformd.cache.securefs import open_source\n"
+        "with open_source(sys.argv[1]) as tree:\n"  # sizes taken here, the file shortened before it is read
+        "    os.truncate(os.path.realpath(os.path.join(sys.argv[1], 'model.safetensors')), 4096)\n"
+        "    try:\n"
+        "        identity_of_tree(tree)\n"
+        "    except SourceError as e:\n"
+        "        print('refused:', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(src)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"killed ({done.returncode}): {done.stderr[-2000:]}"
+    assert done.stdout.startswith("refused: ") and str(src / "model.safetensors") in done.stdout
+    assert "it ended at byte 4096 of" in done.stdout or "changed while it was being read" in done.stdout

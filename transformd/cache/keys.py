@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import re
 import stat as stat_mod
@@ -57,6 +56,12 @@ KEY_HEX_LEN = 32
 KEY_RE = re.compile(r"^[0-9a-f]{32}$")
 #: Files changed this recently (ns) when hashed are not remembered in the stat cache.
 RACY_WINDOW_NS = 2_000_000_000
+#: Bytes of a file hashed at once: a paced hashing (``pace`` below) is asked before each such slice.
+HASH_CHUNK_BYTES = 8 << 20
+
+#: ``pace(n)``: called before a hashing reads on, with the bytes it will have read once the next slice is read; it may
+#: block (to keep the hashing behind a conversion) or raise (to stop it).
+Pace = Callable[[int], None]
 
 _HUB_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _HUB_SHA1 = re.compile(r"^[0-9a-f]{40}$")
@@ -160,11 +165,36 @@ def cache_key(identity: SourceIdentity, recipe: Recipe) -> str:
     return blake3.blake3(text.encode()).hexdigest()[:KEY_HEX_LEN]
 
 
-def hash_file(path: Path | str) -> str:
-    """``blake3:<hex>`` of a file's content (memory-mapped, multi-threaded)."""
+def hash_file(path: Path | str, pace: Pace | None = None) -> str:
+    """``blake3:<hex>`` of a file's content (memory-mapped, multi-threaded); ``pace``: see :data:`Pace`."""
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update_mmap(os.fspath(path))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _feed(h, fd, os.fstat(fd).st_size, pace)
+    finally:
+        os.close(fd)
     return "blake3:" + h.hexdigest()
+
+
+def _feed(h: Any, fd: int, size: int, pace: Pace | None) -> None:
+    """Hash the ``size`` bytes behind ``fd`` into ``h``, :data:`HASH_CHUNK_BYTES` at a time (BLAKE3 and hashlib
+    release the GIL on each slice, BLAKE3 spreads it over the cores). Read, not memory-mapped: a source file that
+    its owner truncates meanwhile ends in an error here, not in a SIGBUS that kills the daemon."""
+    buf = bytearray(min(size, HASH_CHUNK_BYTES))
+    view = memoryview(buf)
+    offset = 0
+    while offset < size:
+        end = min(size, offset + HASH_CHUNK_BYTES)
+        if pace is not None:
+            pace(end)
+        got = 0
+        while got < end - offset:
+            n = os.preadv(fd, [view[got:end - offset]], offset + got)
+            if n == 0:
+                raise ValueError(f"it ended at byte {offset + got} of {size}: it changed while it was read")
+            got += n
+        h.update(view[:got])
+        offset = end
 
 
 def _is_hidden(name: str) -> bool:
@@ -284,7 +314,7 @@ def hub_local_dir_content_id(src_real: str, rel: str, st: os.stat_result) -> str
         os.close(fd)
 
 
-def _claim_digest(fd: int, size: int, claim: str) -> str:
+def _claim_digest(fd: int, size: int, claim: str, pace: Pace | None = None) -> str:
     """The id of the bytes behind ``fd`` in the kind of ``claim`` (``hf-sha256:`` or ``hf-git-sha1:``)."""
     if claim.startswith("hf-sha256:"):
         h = hashlib.sha256()
@@ -292,9 +322,7 @@ def _claim_digest(fd: int, size: int, claim: str) -> str:
     else:
         h = hashlib.sha1(b"blob %d\0" % size)  # noqa: S324 - git's blob id, compared, not trusted
         kind = "hf-git-sha1:"
-    if size:
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-            h.update(mm)
+    _feed(h, fd, size, pace)
     return kind + h.hexdigest()
 
 
@@ -357,6 +385,7 @@ def identity_of_tree(
     known: SourceIdentity | None = None,
     cancelled: Callable[[], bool] | None = None,
     before_saving: Callable[[SourceIdentity], None] | None = None,
+    pace: Pace | None = None,
 ) -> SourceIdentity:
     """The identity of the files of an opened :class:`SourceTree`, hashing what the stat cache does not know.
 
@@ -372,7 +401,8 @@ def identity_of_tree(
     called once before the first byte is hashed (a size check that may raise: no work before limits).
     ``cancelled()`` is asked before each file is hashed; true raises :class:`HashingCancelled`.
     ``before_saving(identity)`` runs before the stat cache learns the new digests (from then on other processes
-    find the key without hashing): the hashing beside a conversion takes the key's lock there.
+    find the key without hashing): the hashing beside a conversion takes the key's lock there. ``pace`` (see
+    :data:`Pace`) is asked before each slice of a file is read, with the bytes this call will have read then.
     """
     src_real = tree.real
     remembered, just_read = _remembered(tree, stat_cache, known)
@@ -398,13 +428,14 @@ def identity_of_tree(
             if claim is None:
                 claim = _parse_download_record(tree.read_meta(rel))
             started = time.time_ns()
+            paced = None if pace is None else lambda n, before=hashed_bytes: pace(before + n)
             try:
                 digest = None
                 if claim is not None:
-                    actual = _claim_digest(f.fd, st.st_size, claim)
+                    actual = _claim_digest(f.fd, st.st_size, claim, paced)
                     digest = claim if actual == claim else None
                 if digest is None:
-                    digest = hash_file(f.proc_path)
+                    digest = hash_file(f.proc_path, paced)
             except (OSError, ValueError) as e:
                 raise SourceError(f"cannot read {os.path.join(tree.src, rel)}: {getattr(e, 'strerror', e)}") from e
             hashed_files += 1

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ..formats import ScaleMode
 from .common import EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, positive_int, shown, visible
@@ -124,6 +127,29 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
                 print(shown(f"transformd: warning: {warning}"), file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _reading_ahead(src: str | Path, progress: Callable[[Any], None], read: bool = True
+                   ) -> Iterator[Callable[[Any], None]]:
+    """Read ``src``'s first shards into the page cache while torch is imported (:mod:`transformd.readahead`);
+    ``progress`` is given back wrapped so that the conversion's first update stops the reading. ``read`` false:
+    nothing is read, ``progress`` comes back as it is."""
+    from ..readahead import ReadAhead, shard_files
+
+    if not read:
+        yield progress
+        return
+    ahead = ReadAhead(shard_files(src))
+
+    def update(status: Any) -> None:
+        ahead.stop()
+        progress(status)
+
+    try:
+        yield update
+    finally:
+        ahead.stop()
+
+
 # -------------------------------------------------------------------------------------------------------------------
 # Handlers
 
@@ -139,10 +165,12 @@ def _run_convert(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.out is None:
         return _run_convert_cached(args, target, why)
-    from ..checkpoint import convert_checkpoint
     from ..progress import ConvertProgress, summary
 
-    with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
+    bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
+    with bar, _reading_ahead(args.src, bar.update) as update:
+        from ..checkpoint import convert_checkpoint  # torch: imported while the source is read ahead
+
         result = convert_checkpoint(
             args.src,
             args.out,
@@ -151,7 +179,7 @@ def _run_convert(args: argparse.Namespace) -> int:
             select=args.select,
             device=args.device,
             overwrite=args.overwrite,
-            progress=bar.update,
+            progress=update,
             engine=args.engine,
         )
     _print_outcome(result.readiness, args.engine, target, why)
@@ -192,9 +220,10 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
 
         entry = convert_through_daemon(cache, args.src, recipe, known=known, progress_every=args.progress_every)
     if entry is None:
-        with ConvertProgress(sys.stderr, every_s=args.progress_every) as bar:
-            entry = cache.get_or_convert(args.src, recipe, progress=lambda status: bar.update(status.progress),
-                                         identity=known)
+        bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
+        # a source new to the cache is read ahead by its hashing (cache.alongside), a known one here
+        with bar, _reading_ahead(args.src, lambda status: bar.update(status.progress), known is not None) as update:
+            entry = cache.get_or_convert(args.src, recipe, progress=update, identity=known)
     _print_outcome(_recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:

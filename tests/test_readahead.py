@@ -1,0 +1,118 @@
+"""Reading a source ahead of its conversion while a cold process starts (transformd/readahead.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from transformd import readahead
+from transformd.readahead import ReadAhead, read_ahead_bytes, shard_files
+from transformd.sample import write_sample_checkpoint
+
+from .support.checkpoints import assert_converted, write_checkpoint
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[tuple[str, int, int]]:
+    """The read-ahead thread's reads: (file name, offset, bytes)."""
+    seen: list[tuple[str, int, int]] = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *args):
+        n = real(fd, buffers, offset, *args)
+        seen.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
+        return n
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(readahead, "_SLICE_BYTES", 1000)
+    return seen
+
+
+def _files(d: Path, sizes: dict[str, int]) -> list[Path]:
+    d.mkdir()
+    for name, size in sizes.items():
+        (d / name).write_bytes(os.urandom(size))
+    return [d / name for name in sizes]
+
+
+def test_it_reads_the_files_in_order_up_to_its_budget(tmp_path, reads):
+    files = _files(tmp_path / "src", {"b.safetensors": 2500, "a.safetensors": 1500, "c.safetensors": 3000})
+    ahead = ReadAhead([tmp_path / "missing", *files], budget=5000)  # one it cannot open is skipped
+    ahead.join(30)
+    assert ahead.bytes_read == 5000
+    assert reads == [("b.safetensors", 0, 1000), ("b.safetensors", 1000, 1000), ("b.safetensors", 2000, 500),
+                     ("b.safetensors", 2500, 0), ("a.safetensors", 0, 1000), ("a.safetensors", 1000, 500),
+                     ("a.safetensors", 1500, 0), ("c.safetensors", 0, 1000)]
+
+
+def test_it_stops_when_asked(tmp_path, reads, monkeypatch):
+    files = _files(tmp_path / "src", {"a.safetensors": 100_000})
+    real = os.preadv
+    ahead: list[ReadAhead] = []
+
+    def stopping(fd, buffers, offset, *args):  # the conversion starts after the third slice
+        if offset == 2000:
+            ahead[0].stop()
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", stopping)
+    ahead.append(ReadAhead.__new__(ReadAhead))
+    ReadAhead.__init__(ahead[0], files, budget=1 << 30)
+    ahead[0].join(30)
+    assert ahead[0].bytes_read == 3000
+
+
+def test_the_shards_in_name_order_and_a_budget_the_memory_allows(tmp_path):
+    d = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    (d / ".hidden.safetensors").write_bytes(b"")
+    assert [p.name for p in shard_files(d)] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert shard_files(tmp_path / "missing") == []
+    assert 0 < read_ahead_bytes() <= readahead.READ_AHEAD_BYTES
+    assert read_ahead_bytes(1 << 62) == readahead.memory_limit() // 8
+
+
+_PROBE = (
+    "import sys, runpy\n"
+    "import transformd.readahead as r\n"
+    "init, stop = r.ReadAhead.__init__, r.ReadAhead.stop\n"
+    "def started(self, *a, **k):\n"
+    "    print('read ahead, torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+    "    init(self, *a, **k)\n"
+    "def stopped(self):\n"
+    "    if not self._stopped.is_set():\n"
+    "        print('stopped by', sys._getframe(1).f_code.co_name, 'torch imported:', 'torch' in sys.modules,\n"
+    "              file=sys.stderr)\n"
+    "    stop(self)\n"
+    "r.ReadAhead.__init__, r.ReadAhead.stop = started, stopped\n"
+    "sys.argv = ['transformd', *sys.argv[1:]]\n"
+    "runpy.run_module('transformd', run_name='__main__')\n"
+)
+
+
+@pytest.mark.parametrize("where", ["--out", "--cache-dir"])
+def test_a_cold_convert_reads_ahead_while_torch_is_imported(tmp_path, where):
+    """The read-ahead starts before torch is imported and stops at the conversion's first progress; the output is
+    right.
+    Into the cache: a source the cache already knows (keyed by the stat cache, converted with a second target),
+    which no hashing reads ahead of."""
+    src = write_checkpoint(tmp_path / "src")
+    for f in src.rglob("*"):  # older than the stat cache's racy window, so that the first run's digests are kept
+        os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runs = []
+    for n, target in enumerate(("ocp", "fnuz") if where == "--cache-dir" else ("ocp",)):
+        dest = tmp_path / ("cache" if where == "--cache-dir" else f"out{n}")
+        cmd = [sys.executable, "-c", _PROBE, "convert", str(src), where, str(dest), "--target", target,
+               "--device", "cpu"]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs.append(done)
+    done = runs[-1]
+    said = [line for line in done.stderr.splitlines() if "torch imported" in line]
+    # stopped by the conversion's first progress update, not at the end
+    assert said == ["read ahead, torch imported: False", "stopped by update torch imported: True"], done.stderr
+    assert_converted(src, Path(done.stdout.splitlines()[-1]), "ocp" if where == "--out" else "fnuz", "exact")

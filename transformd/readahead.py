@@ -1,0 +1,88 @@
+"""Reading a checkpoint ahead of its conversion while the process starts, and how far ahead is safe.
+
+A cold ``transformd convert`` spends its first seconds importing torch and starting CUDA, and its conversion
+cannot write before that. The disk would idle meanwhile, so the source's first shards are read into the page cache
+then (:class:`ReadAhead`), and the conversion finds them there. It stops when the conversion starts (from then on
+its reads would take the disk from the conversion's writes) and after :func:`read_ahead_bytes` at the most (what is
+read ahead must stay in the page cache until the conversion reads it). The hashing beside a conversion reads ahead
+the same way (:class:`transformd.cache.alongside.Hasher`, paced by the same bound). No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+#: Bytes read ahead of a conversion at the most (:func:`read_ahead_bytes` lowers it on a small machine).
+READ_AHEAD_BYTES = 8 << 30
+#: Bytes read at once.
+_SLICE_BYTES = 8 << 20
+
+
+def memory_limit() -> int:
+    """The memory this process may use: the machine's, or its container's (cgroup v2) limit when lower."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 * READ_AHEAD_BYTES
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def read_ahead_bytes(most: int = READ_AHEAD_BYTES) -> int:
+    """How far a read may run ahead of the conversion: ``most``, and an eighth of :func:`memory_limit` at the most."""
+    return min(most, memory_limit() // 8)
+
+
+class ReadAhead:
+    """A thread that reads ``files`` (in the order the conversion will) into the page cache, ``budget`` bytes at
+    the most, until :meth:`stop`. Best effort: a file it cannot read is skipped (the conversion reports it)."""
+
+    def __init__(self, files: Sequence[str | os.PathLike[str]], budget: int | None = None):
+        self._files, self._budget = [os.fspath(f) for f in files], read_ahead_bytes() if budget is None else budget
+        self._stopped = threading.Event()
+        self.bytes_read = 0
+        self._thread = threading.Thread(target=self._run, name="transformd-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        buf = memoryview(bytearray(_SLICE_BYTES))
+        for path in self._files:
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                continue
+            try:
+                offset = 0
+                while not self._stopped.is_set() and self.bytes_read < self._budget:
+                    n = os.preadv(fd, [buf[: min(_SLICE_BYTES, self._budget - self.bytes_read)]], offset)
+                    if n <= 0:
+                        break
+                    offset += n
+                    self.bytes_read += n
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            if self._stopped.is_set() or self.bytes_read >= self._budget:
+                return
+
+    def stop(self) -> None:
+        """Stop after the slice being read (does not wait)."""
+        self._stopped.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+
+def shard_files(src: str | os.PathLike[str]) -> list[Path]:
+    """The ``*.safetensors`` files of a checkpoint directory, in name order (the shards' usual index order)."""
+    try:
+        return sorted(p for p in Path(src).iterdir() if p.name.endswith(".safetensors") and not p.name.startswith("."))
+    except OSError:
+        return []
