@@ -365,19 +365,21 @@ def _mx_to_block_fp8_kernel(
 
 # --- grouped launches: many weights, one launch -------------------------------------------------------------------
 
-# The weights' tiles go in chunks of at most C consecutive tiles of one weight (C chosen per launch by
-# _chunk_tiles). A chunk's table row: 8 int64s (64 bytes): byte offsets of the codes, the E8M0 scales and the output
-# codes from their base pointers, the output scales' offset from theirs in float32 elements, N << 32 | K, the
-# weight's first status word, and the chunk's first and end tile in the weight.
+# A grouped launch converts the experts of weights of one shape [N, K] (a launch per shape of the group): program
+# (pid_k, pid_n, i) converts tile (pid_n, pid_k) of expert i, as the one-launch kernel does for a stack, the
+# expert's offsets in row i of a table: 8 int64s (64 bytes): byte offsets of its codes, E8M0 scales and output codes
+# from their base pointers, its first output scale's offset from theirs in float32 elements, and its first status
+# word. Its coordinates come from the program id: no division precedes the tile's loads.
 
-#: Most chunks on the grid's second axis (CUDA's limit on it); more go on the third.
-GRID_Y = 65535
+#: Most experts in one launch (CUDA's limit on the grid's third axis); more take several launches.
+GRID_Z = 65535
 
 
 @triton.jit
 def _mx_to_block_fp8_grouped_kernel(
     table_ptr,
-    chunks,
+    N,
+    K,
     q_ptr,
     s_ptr,
     out_ptr,
@@ -389,45 +391,29 @@ def _mx_to_block_fp8_grouped_kernel(
     TILE_: tl.constexpr,
     BLOCK_: tl.constexpr,
 ):
-    """Tiles of many weights in one launch: program (i, y, z) converts tile i of chunk ``c = z * GRID_Y + y``.
-
-    Row c of the table describes the chunk ([E, N, K] weights: E implied by the tile range). The row's address
-    comes from the program id, so one load (the row) precedes the tile's loads; the first tile of a chunk is
-    the fastest-varying program id, so programs that run together read neighbouring tiles, as in one launch.
-    """
-    c = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
-    if c < chunks:
-        # The whole row is loaded before the bounds check: its loads go out together (one wait, not two).
-        row = table_ptr + c.to(tl.int64) * 8
-        q_off = tl.load(row + 0)
-        s_off = tl.load(row + 1)
-        out_off = tl.load(row + 2)
-        scale_off = tl.load(row + 3)
-        nk = tl.load(row + 4)
-        first_status = tl.load(row + 5)
-        local = tl.load(row + 6).to(tl.int32) + tl.program_id(0)  # the tile's index in its weight
-        if local < tl.load(row + 7).to(tl.int32):
-            N = (nk >> 32).to(tl.int32)
-            K = tl.multiple_of((nk & 0xFFFFFFFF).to(tl.int32), 32)  # the MX contract: K is a multiple of 32
-            status = status_ptr + first_status + local
-            kt = (K + TILE_ - 1) // TILE_
-            nt = (N + TILE_ - 1) // TILE_
-            pid_k = local % kt
-            pid_n = (local // kt) % nt
-            mat = (local // (kt * nt)).to(tl.int64) * N  # the expert's first row
-            scale_ptr = out_scale_ptr + scale_off + local
-            if PTX:
-                q_off = tl.multiple_of(q_off, 16)
-                out_off = tl.multiple_of(out_off, 16)
-                _tile_ptx(
-                    q_ptr + q_off + mat * K, s_ptr + s_off + mat * (K // BLOCK_), out_ptr + out_off + mat * K,
-                    scale_ptr, status, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
-                )
-            else:
-                _tile_portable(
-                    q_ptr + q_off + mat * K, s_ptr + s_off + mat * (K // BLOCK_), out_ptr + out_off + mat * K,
-                    scale_ptr, status, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
-                )
+    """Experts of one shape [N, K] anywhere in memory: program (pid_k, pid_n, i) converts that tile of expert i,
+    whose offsets are row i of the table (one load before the tile's)."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    row = table_ptr + tl.program_id(2).to(tl.int64) * 8
+    q_off = tl.load(row + 0)
+    s_off = tl.load(row + 1)
+    out_off = tl.load(row + 2)
+    tile = pid_n * tl.num_programs(0) + pid_k
+    scale_ptr = out_scale_ptr + tl.load(row + 3) + tile
+    status = status_ptr + tl.load(row + 4) + tile
+    if PTX:
+        q_off = tl.multiple_of(q_off, 16)
+        out_off = tl.multiple_of(out_off, 16)
+        _tile_ptx(
+            q_ptr + q_off, s_ptr + s_off, out_ptr + out_off,
+            scale_ptr, status, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+        )
+    else:
+        _tile_portable(
+            q_ptr + q_off, s_ptr + s_off, out_ptr + out_off,
+            scale_ptr, status, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
+        )
 
 
 @triton.jit
@@ -557,26 +543,6 @@ class PackedWeight:
 
 
 #: The largest chunk (tiles of one weight per table row), and the sizes tried besides the weights' own counts.
-CHUNK_MAX = 4096
-_CHUNK_SIZES = 2 ** np.arange(CHUNK_MAX.bit_length())  # 1, 2, 4, ..., CHUNK_MAX
-
-
-def _chunk_tiles(counts: np.ndarray) -> int:
-    """Tiles per chunk for a launch over weights of ``counts`` tiles (each > 0).
-
-    Each chunk takes that many programs, idle past its weight's last tile; the size that needs the fewest
-    programs (a chunk counted one more, for its table row) among powers of two and up to 16 of the counts
-    themselves, all at most ``CHUNK_MAX``. Weights of one tile count (the experts of a layer) get one chunk each
-    and no idle program.
-    """
-    if counts.min() == counts.max() <= CHUNK_MAX:
-        return int(counts[0])  # the common case, answered without the search below (whose answer it is)
-    capped = np.minimum(counts, CHUNK_MAX)
-    sizes = np.concatenate((_CHUNK_SIZES, capped[:: -(-len(capped) // 16)]))  # and up to 16 of the counts
-    programs = (-(-counts[None, :] // sizes[:, None])).sum(axis=1) * (sizes + 1)
-    return int(sizes[np.argmin(programs)])
-
-
 def _launch_group(
     rows: list[tuple[int, ...]],
     bases: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -590,16 +556,17 @@ def _launch_group(
 
     Returns the per-tile status words and each row's first tile, or None when there is no tile at all.
     """
-    flat, counts, firsts, tiles = [], [], [], 0  # this loop is the launch's per-weight cost: keep it short
+    shapes: dict[tuple[int, int], list[tuple[int, ...]]] = {}  # (N, K) -> its weights' offsets and experts
+    firsts, tiles = [], 0  # this loop is the launch's per-weight cost: keep it short
     for shape, q_off, s_off, o_off, sc_off in rows:
         n, k = shape[-2], shape[-1]
-        count = -(-n // TILE) * -(-k // TILE)  # formats.tile_grid inline: a call would double the loop's cost
+        experts = 1
         for lead in shape[:-2]:
-            count *= lead
+            experts *= lead
+        count = experts * -(-n // TILE) * -(-k // TILE)  # formats.tile_grid inline: a call would double its cost
         firsts.append(tiles)
         if count:
-            flat += (q_off, s_off, o_off, sc_off, n << 32 | k, tiles)
-            counts.append(count)
+            shapes.setdefault((n, k), []).append((q_off, s_off, o_off, sc_off, tiles, experts))
         tiles += count
     if not tiles:
         return None
@@ -608,32 +575,40 @@ def _launch_group(
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     status = torch.empty(tiles, dtype=torch.int32, device=device)
-    counts = np.array(counts, dtype=np.int64)
-    size = _chunk_tiles(counts)
-    per = -(-counts // size)  # each weight's chunks
-    chunks = int(per.sum())
-    weight = np.repeat(np.arange(len(counts)), per)
-    start = (np.arange(chunks) - np.repeat(np.cumsum(per) - per, per)) * size  # each chunk's first tile
-    # One host buffer and one copy; pinned, the copy is asynchronous (no wait for the work queued before) and the
-    # caching host allocator keeps the buffer until it is done.
-    host = torch.empty((chunks, 8), dtype=torch.int64, pin_memory=device.type == "cuda")
-    table = host.numpy()
-    table[:, :6] = np.reshape(flat, (-1, 6))[weight]
-    table[:, 6] = start
-    table[:, 7] = np.minimum(start + size, counts[weight])
-    _mx_to_block_fp8_grouped_kernel[(size, min(chunks, GRID_Y), -(-chunks // GRID_Y))](
-        host.to(device, non_blocking=True),
-        chunks,
-        *bases,
-        status,
-        EXACT=scale_mode is ScaleMode.EXACT,
-        FNUZ=target is Target.FNUZ,
-        PTX=kernel == "ptx" and aligned,
-        TILE_=TILE,
-        BLOCK_=MX_BLOCK,
-        num_warps=num_warps or 8,  # measured best on the H200 for both modes (kernel_bench_h200.txt)
-        enable_fp_fusion=False,  # keep each float operation's own IEEE rounding
-    )
+    for (n, k), weights in shapes.items():
+        nt, kt = -(-n // TILE), -(-k // TILE)
+        w = np.array(weights, dtype=np.int64)
+        experts = w[:, 5]
+        if experts.max() > 1:  # one row per expert, from its weight's
+            e = np.arange(int(experts.sum())) - np.repeat(np.cumsum(experts) - experts, experts)
+            w = np.repeat(w, experts, axis=0)
+        else:
+            e = np.zeros(len(w), dtype=np.int64)
+        # One host buffer and one copy; pinned, the copy is asynchronous (no wait for the work queued before) and
+        # the caching host allocator keeps the buffer until it is done.
+        host = torch.empty((len(w), 8), dtype=torch.int64, pin_memory=device.type == "cuda")
+        table = host.numpy()
+        table[:, 0] = w[:, 0] + e * (n * k)
+        table[:, 1] = w[:, 1] + e * (n * k // MX_BLOCK)
+        table[:, 2] = w[:, 2] + e * (n * k)
+        table[:, 3] = w[:, 3] + e * (nt * kt)
+        table[:, 4] = w[:, 4] + e * (nt * kt)
+        device_table = host.to(device, non_blocking=True)
+        for at in range(0, len(w), GRID_Z):
+            _mx_to_block_fp8_grouped_kernel[(kt, nt, min(GRID_Z, len(w) - at))](
+                device_table[at:],
+                n,
+                k,
+                *bases,
+                status,
+                EXACT=scale_mode is ScaleMode.EXACT,
+                FNUZ=target is Target.FNUZ,
+                PTX=kernel == "ptx" and aligned,
+                TILE_=TILE,
+                BLOCK_=MX_BLOCK,
+                num_warps=num_warps or 8,  # measured best on the H200 for both modes (kernel_bench_h200.txt)
+                enable_fp_fusion=False,  # keep each float operation's own IEEE rounding
+            )
     return status, firsts
 
 

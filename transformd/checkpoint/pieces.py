@@ -27,7 +27,7 @@ CPU_WORK_FACTOR = 16
 #: Alignment of the scale bytes that follow the codes in a slot, and of each piece of a batch.
 SLOT_ALIGN = 256
 #: Pinned slots (a GPU's) are at least this large, budget permitting, so that many small weights share one batch:
-#: one host-to-device copy, one launch and one synchronisation for all of them.
+#: one host-to-device copy, a launch per weight shape and one synchronisation for all of them.
 BATCH_BYTES = 64 * 1024 * 1024
 
 
@@ -129,7 +129,7 @@ def size_buffers(
     piece = max(1, min(chunk_bytes, cap * MX_BLOCK // (MX_BLOCK + 1) - SLOT_ALIGN))
     need = max((u.slot_bytes for p in pairs for u in units(p.weight.shape, piece)), default=0)
     slot = max(SLOT_ALIGN, 1 << (need - 1).bit_length() if pinned else align(need))
-    if pinned:  # room for a batch of small weights (one launch for all), within the budget's share of a slot
+    if pinned:  # room for a batch of small weights (a launch per shape for all), within the budget's share of a slot
         slot = max(slot, min(cap, BATCH_BYTES))
     slots = max(MIN_SLOTS, min(MAX_SLOTS, (memory_bytes - work_factor * slot) // (2 * slot)))
     return BufferSizes(piece, slot, slots, work_factor * slot)
