@@ -116,3 +116,24 @@ def test_a_cold_convert_reads_ahead_while_torch_is_imported(tmp_path, where):
     # stopped by the conversion's first progress update, not at the end
     assert said == ["read ahead, torch imported: False", "stopped by update torch imported: True"], done.stderr
     assert_converted(src, Path(done.stdout.splitlines()[-1]), "ocp" if where == "--out" else "fnuz", "exact")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"),
+                    reason="ioprio_get's number is known for x86_64 and aarch64")
+def test_it_reads_at_the_idle_io_class(tmp_path, monkeypatch):
+    """Its reads must not delay the imports' (a cold torch reads its libraries meanwhile)."""
+    import ctypes
+    import threading
+
+    files = _files(tmp_path / "src", {"a.safetensors": 10})
+    classes = []
+    real = os.preadv
+    get = {"x86_64": 252, "aarch64": 31}[os.uname().machine]
+
+    def preadv(fd, buffers, offset, *args):
+        classes.append(ctypes.CDLL(None).syscall(get, 1, threading.get_native_id()) >> 13)
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    ReadAhead(files, budget=100).join(30)
+    assert classes and set(classes) == {3}, classes  # IOPRIO_CLASS_IDLE

@@ -31,6 +31,8 @@ on the next request.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -58,6 +60,8 @@ KEY_RE = re.compile(r"^[0-9a-f]{32}$")
 RACY_WINDOW_NS = 2_000_000_000
 #: Bytes of a file hashed at once: a paced hashing (``pace`` below) is asked before each such slice.
 HASH_CHUNK_BYTES = 8 << 20
+#: Threads that read a file's slices ahead of its hashing.
+_READERS = 4
 
 #: ``pace(n)``: called before a hashing reads on, with the bytes it will have read once the next slice is read; it may
 #: block (to keep the hashing behind a conversion) or raise (to stop it).
@@ -177,24 +181,40 @@ def hash_file(path: Path | str, pace: Pace | None = None) -> str:
 
 
 def _feed(h: Any, fd: int, size: int, pace: Pace | None) -> None:
-    """Hash the ``size`` bytes behind ``fd`` into ``h``, :data:`HASH_CHUNK_BYTES` at a time (BLAKE3 and hashlib
-    release the GIL on each slice, BLAKE3 spreads it over the cores). Read, not memory-mapped: a source file that
-    its owner truncates meanwhile ends in an error here, not in a SIGBUS that kills the daemon."""
-    buf = bytearray(min(size, HASH_CHUNK_BYTES))
-    view = memoryview(buf)
-    offset = 0
-    while offset < size:
-        end = min(size, offset + HASH_CHUNK_BYTES)
-        if pace is not None:
-            pace(end)
-        got = 0
-        while got < end - offset:
-            n = os.preadv(fd, [view[got:end - offset]], offset + got)
-            if n == 0:
-                raise ValueError(f"it ended at byte {offset + got} of {size}: it changed while it was read")
-            got += n
-        h.update(view[:got])
-        offset = end
+    """Hash the ``size`` bytes behind ``fd`` into ``h``, :data:`HASH_CHUNK_BYTES` at a time, read by
+    :data:`_READERS` threads ahead of the hashing (one thread copying from the page cache is the bottleneck; BLAKE3
+    spreads each slice over the cores). Read, not memory-mapped: a source file that its owner truncates meanwhile
+    ends in an error here, not in a SIGBUS that kills the daemon."""
+    starts = range(0, size, HASH_CHUNK_BYTES)
+    if not starts:
+        return
+    bufs = [memoryview(bytearray(min(size, HASH_CHUNK_BYTES))) for _ in range(min(len(starts), _READERS + 1))]
+    with concurrent.futures.ThreadPoolExecutor(_READERS, thread_name_prefix="transformd-hash-read") as pool:
+        reads: collections.deque[concurrent.futures.Future[memoryview]] = collections.deque()
+
+        def read(i: int) -> None:  # slice i, into the buffer that slice i - len(bufs) used (hashed by now)
+            end = min(size, starts[i] + HASH_CHUNK_BYTES)
+            if pace is not None:
+                pace(end)
+            reads.append(pool.submit(_read_exactly, fd, bufs[i % len(bufs)][: end - starts[i]], starts[i], size))
+
+        for i in range(min(len(starts), _READERS)):
+            read(i)
+        for i in range(len(starts)):
+            data = reads.popleft().result()
+            if i + _READERS < len(starts):
+                read(i + _READERS)
+            h.update(data)
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int, size: int) -> memoryview:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise ValueError(f"it ended at byte {offset + got} of {size}: it changed while it was read")
+        got += n
+    return view
 
 
 def _is_hidden(name: str) -> bool:
