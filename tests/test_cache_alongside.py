@@ -261,12 +261,24 @@ def test_the_key_is_locked_before_the_stat_cache_tells_other_processes_the_key(t
 
 class _PacedCopy:
     """Copies the source's files into ``out`` 4 KiB at a time, reporting ``bytes_done`` after each block (a
-    conversion whose pace the hashing beside it must keep to); ``report``: whether it reports at all."""
+    conversion whose pace the hashing beside it must keep to). ``report`` false: it reports nothing, and starts once
+    the hashing has read 16 KiB (and 50 ms more, in which an unpaced hashing would read on). ``fail_after``: raise
+    after reporting that many bytes."""
 
-    def __init__(self, events: list, lock: threading.Lock, report: bool = True):
-        self.events, self.lock, self.report = events, lock, report
+    def __init__(self, events: list, lock: threading.Lock, report: bool = True, fail_after: int | None = None):
+        self.events, self.lock, self.report, self.fail_after = events, lock, report, fail_after
+
+    def _hashed(self, n: int) -> None:
+        """Wait until the hashing has read ``n`` bytes, and 50 ms more (in which an unpaced one would read on)."""
+        for _ in range(1000):
+            if ("read", n) in self.events:
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.05)
 
     def __call__(self, src, out, recipe, progress):
+        if not self.report:
+            self._hashed(16 << 10)
         out.mkdir()
         done = 0
         for f in sorted(Path(src).iterdir()):
@@ -279,6 +291,9 @@ class _PacedCopy:
                         with self.lock:
                             self.events.append(("done", done))
                         progress({"bytes_done": done})
+                        if self.fail_after is not None and done >= self.fail_after:
+                            self._hashed(done + (16 << 10))  # the hashing now waits on its pace
+                            raise RuntimeError("the converter broke")
                         threading.Event().wait(0.001)
                 os.fsync(dst.fileno())
         with self.lock:
@@ -353,3 +368,18 @@ def test_a_conversion_that_reports_no_progress_still_gets_its_key(tmp_path, hash
     end = events.index(("end", 3 * (64 << 10)))
     assert max(n for kind, n in events[:end] if kind == "read") == 16 << 10, "paced at its lead until then"
     assert reads[-1] == 3 * (64 << 10)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_conversion_stops_a_hashing_that_waits_on_its_pace(tmp_path, hash_reads):
+    """The conversion fails while the hashing waits for it to go on: the hashing stops at once (no hang), having read
+    no further than its lead, and nothing is published."""
+    events, lock = hash_reads
+    src = _paced_source(tmp_path / "src")
+    cache = _cache(tmp_path / "cache", _PacedCopy(events, lock, fail_after=4096))
+    cache.hash_lead_bytes = 16 << 10
+    with pytest.raises(RuntimeError, match="the converter broke"):
+        cache.get_or_convert(src, Recipe(target="ocp"))
+    assert max(n for kind, n in events if kind == "read") == 4096 + (16 << 10)
+    assert not any(t.name.startswith("transformd-hash") for t in threading.enumerate()), "the hashing was joined"
+    assert os.listdir(cache.entries_dir) == [] and os.listdir(cache.staging_dir) == []

@@ -329,3 +329,23 @@ def test_a_file_truncated_while_it_is_hashed_is_an_error_not_a_crash(tmp_path, l
     assert done.returncode == 0, f"killed ({done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("refused: ") and str(src / "model.safetensors") in done.stdout
     assert "it ended at byte 4096 of" in done.stdout or "changed while it was being read" in done.stdout
+
+
+def test_a_paced_hashing_is_told_its_position_in_the_tree(tmp_path, monkeypatch):
+    """``pace`` hears the position a read reaches in the whole tree (files the stat cache knows count, unread), the
+    measure the conversion's progress uses, one slice at a time."""
+    from transformd.cache.keys import identity_of_tree
+    from transformd.cache.securefs import open_source
+
+    monkeypatch.setattr(keys_mod, "HASH_CHUNK_BYTES", 4096)
+    src = write_source(tmp_path / "src", {"a.safetensors": os.urandom(10_000), "b.safetensors": os.urandom(5_000)})
+    sc = StatCache(tmp_path / "sc")
+    source_identity(src, stat_cache=sc)  # remembers both
+    data = os.urandom(5_000)
+    (src / "b.safetensors").write_bytes(data)
+    os.utime(src / "b.safetensors", (time.time() - 60, time.time() - 60))
+    paces: list[int] = []
+    with open_source(src) as tree:
+        ident = identity_of_tree(tree, stat_cache=sc, pace=paces.append)
+    assert paces == [10_000 + 4096, 10_000 + 5_000], "only b is read, from its place after a"
+    assert ident.hashed_files == 1 and ident == source_identity(src)

@@ -66,10 +66,16 @@ def test_it_stops_when_asked(tmp_path, reads, monkeypatch):
     assert ahead[0].bytes_read == 3000
 
 
-def test_the_shards_in_name_order_and_a_budget_the_memory_allows(tmp_path):
+def test_the_shards_of_the_index_else_in_name_order_and_a_budget_the_memory_allows(tmp_path):
     d = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
     (d / ".hidden.safetensors").write_bytes(b"")
+    (d / "consolidated.safetensors").write_bytes(b"")  # not in the index: the conversion never reads it
     assert [p.name for p in shard_files(d)] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {"a": "../escape.safetensors"}}')
+    assert shard_files(d) == []
+    (d / "model.safetensors.index.json").unlink()
+    assert [p.name for p in shard_files(d)] == ["consolidated.safetensors", "model-00001-of-00002.safetensors",
+                                                "model-00002-of-00002.safetensors"]
     assert shard_files(tmp_path / "missing") == []
     assert 0 < read_ahead_bytes() <= readahead.READ_AHEAD_BYTES
     assert read_ahead_bytes(1 << 62) == readahead.memory_limit() // 8
@@ -88,6 +94,10 @@ _PROBE = (
     "              file=sys.stderr)\n"
     "    stop(self)\n"
     "r.ReadAhead.__init__, r.ReadAhead.stop = started, stopped\n"
+    "if '--hashed' in sys.argv:\n"  # every source new to the cache is hashed beside its conversion
+    "    sys.argv.remove('--hashed')\n"
+    "    import transformd.cache.alongside as al\n"
+    "    al.AlongsideMixin.hash_alongside_min_bytes = 0\n"
     "sys.argv = ['transformd', *sys.argv[1:]]\n"
     "runpy.run_module('transformd', run_name='__main__')\n"
 )
@@ -137,3 +147,16 @@ def test_it_reads_at_the_idle_io_class(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "preadv", preadv)
     ReadAhead(files, budget=100).join(30)
     assert classes and set(classes) == {3}, classes  # IOPRIO_CLASS_IDLE
+
+
+def test_no_read_ahead_beside_a_hashing(tmp_path):
+    """A source new to the cache is read ahead by its hashing (paced by the conversion): no second reader."""
+    src = write_checkpoint(tmp_path / "src")
+    for f in src.rglob("*"):
+        os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-c", _PROBE, "convert", str(src), "--cache-dir", str(tmp_path / "cache"), "--target",
+           "ocp", "--device", "cpu", "--hashed"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "hashed alongside" in done.stderr and "torch imported" not in done.stderr, done.stderr

@@ -11,6 +11,7 @@ the same way (:class:`transformd.cache.alongside.Hasher`, paced by the same boun
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 import sys
@@ -93,13 +94,24 @@ def _idle_io() -> None:
     whole ``convert --out`` gained 0-3.6 s; at the idle class 0.6-2.8 s (benchmarks/convert_bench.py
     --read-ahead-modes)."""
     number = _IOPRIO_SET.get(platform.machine())
-    if number is not None and sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).syscall(number, 1, threading.get_native_id(), 3 << 13)  # who: a thread
+    if number is not None and sys.platform.startswith("linux") and sys.maxsize > 2**32:  # (a 64-bit process)
+        try:
+            ctypes.CDLL(None, use_errno=True).syscall(number, 1, threading.get_native_id(), 3 << 13)  # who: a thread
+        except Exception:  # noqa: BLE001, S110 - best effort: at the normal class it still reads
+            pass
 
 
 def shard_files(src: str | os.PathLike[str]) -> list[Path]:
-    """The ``*.safetensors`` files of a checkpoint directory, in name order (the shards' usual index order)."""
+    """The shards of a checkpoint directory in the order the conversion reads them: the index's (sorted, as the
+    plan sorts them), else the ``*.safetensors`` files in name order; [] when neither can be read."""
+    src = Path(src)
     try:
-        return sorted(p for p in Path(src).iterdir() if p.name.endswith(".safetensors") and not p.name.startswith("."))
+        index = json.loads((src / "model.safetensors.index.json").read_text())
+        names = {n for n in index["weight_map"].values() if isinstance(n, str) and Path(n).name == n != ".."}
+        return [src / name for name in sorted(names) if not name.startswith(".")]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    try:
+        return sorted(p for p in src.iterdir() if p.name.endswith(".safetensors") and not p.name.startswith("."))
     except OSError:
         return []

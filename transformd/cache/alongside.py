@@ -136,11 +136,13 @@ class Hasher:
             self._paced.notify_all()
 
     def converted(self, update: Any) -> None:
-        """Hear the conversion's progress: its ``bytes_done`` (input bytes finished) moves the pace on."""
-        done = getattr(update, "bytes_done", None)
-        if isinstance(update, dict):
-            done = update.get("bytes_done")
-        if isinstance(done, int) and done > self._converted:
+        """Hear the conversion's progress: its ``bytes_done`` (input bytes finished) moves the pace on; once it
+        reaches ``bytes_total`` the pace is lifted (files the conversion does not read are hashed at once)."""
+        get = update.get if isinstance(update, dict) else lambda name: getattr(update, name, None)
+        done, total = get("bytes_done"), get("bytes_total")
+        if isinstance(total, int) and isinstance(done, int) and done >= total:
+            self._unpace()
+        elif isinstance(done, int) and done > self._converted:
             with self._paced:
                 self._converted = done
                 self._paced.notify_all()

@@ -35,6 +35,7 @@ import collections
 import concurrent.futures
 import hashlib
 import json
+import mmap
 import os
 import re
 import stat as stat_mod
@@ -170,11 +171,30 @@ def cache_key(identity: SourceIdentity, recipe: Recipe) -> str:
 
 
 def hash_file(path: Path | str, pace: Pace | None = None) -> str:
-    """``blake3:<hex>`` of a file's content (memory-mapped, multi-threaded); ``pace``: see :data:`Pace`."""
+    """``blake3:<hex>`` of a file's content (read, see :func:`_feed`; multi-threaded); ``pace``: see :data:`Pace`."""
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         _feed(h, fd, os.fstat(fd).st_size, pace)
+    finally:
+        os.close(fd)
+    return "blake3:" + h.hexdigest()
+
+
+def hash_own_file(path: Path | str) -> str:
+    """:func:`hash_file` of a file the cache wrote (an entry's): memory-mapped when this user owns it, about ten times
+    faster from the page cache (46.7 against 4.2 GiB/s for one reader on the H200 machine); read like a source's
+    otherwise. A mapped file that its owner shortens meanwhile kills the process with SIGBUS, so never a file of
+    another user (one who converts into a shared cache owns the files of his entries)."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not st.st_size:
+            _feed(h, fd, st.st_size, None)
+        else:
+            with mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ) as mm:
+                h.update(mm)
     finally:
         os.close(fd)
     return "blake3:" + h.hexdigest()
@@ -422,14 +442,15 @@ def identity_of_tree(
     ``cancelled()`` is asked before each file is hashed; true raises :class:`HashingCancelled`.
     ``before_saving(identity)`` runs before the stat cache learns the new digests (from then on other processes
     find the key without hashing): the hashing beside a conversion takes the key's lock there. ``pace`` (see
-    :data:`Pace`) is asked before each slice of a file is read, with the bytes this call will have read then.
+    :data:`Pace`) is asked before each slice of a file is read, with its position in the tree then (the sizes of the
+    files before it, read or not, and the bytes of this one read so far).
     """
     src_real = tree.real
     remembered, just_read = _remembered(tree, stat_cache, known)
     updated: dict[str, list[Any]] = {}
     records: list[FileRecord] = []
     sigs: list[StatSig] = []
-    hashed_files = hashed_bytes = 0
+    hashed_files = hashed_bytes = position = 0  # position: the bytes of the files before this one, hashed or not
     for f in tree.files:
         rel, st = f.rel, f.st
         sig = _sig(st)
@@ -448,7 +469,7 @@ def identity_of_tree(
             if claim is None:
                 claim = _parse_download_record(tree.read_meta(rel))
             started = time.time_ns()
-            paced = None if pace is None else lambda n, before=hashed_bytes: pace(before + n)
+            paced = None if pace is None else lambda n, before=position: pace(before + n)
             try:
                 digest = None
                 if claim is not None:
@@ -471,6 +492,7 @@ def identity_of_tree(
             if st.st_mtime_ns < started - RACY_WINDOW_NS:
                 updated[rel] = [*sig, digest]
         records.append(FileRecord(rel, st.st_size, digest))
+        position += st.st_size
         sigs.append(sig)
     identity = SourceIdentity(tuple(records), Path(src_real), tuple(sigs), hashed_files, hashed_bytes, tree.facts())
     if before_saving is not None:

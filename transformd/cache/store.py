@@ -48,7 +48,7 @@ from .keys import (
     SourceIdentity,
     StatCache,
     cache_key,
-    hash_file,
+    hash_own_file,
     identity_of_tree,
     source_identity,
     validate_key,
@@ -643,7 +643,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         def seal_one(item: tuple[str, str]) -> FileRecord:
             rel, p = item
             os.chmod(p, 0o444)
-            return FileRecord(rel, os.stat(p).st_size, hash_file(p))
+            return FileRecord(rel, os.stat(p).st_size, hash_own_file(p))
 
         records = []
         with ThreadPoolExecutor(max_workers=min(4, len(files))) as pool:

@@ -17,7 +17,7 @@ from .errors import (
     EntryNotFoundError,
 )
 from .keys import (
-    hash_file,
+    hash_own_file,
     validate_key,
 )
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest
@@ -98,7 +98,7 @@ class VerifyMixin:
                 if size != rec.size:
                     res.problems.append(f"{name}: size {size} bytes, manifest says {rec.size}")
                     continue
-                digest = hash_file(p)
+                digest = hash_own_file(p)
             except OSError as e:
                 res.problems.append(f"{name}: unreadable: {e.strerror}")
                 continue
