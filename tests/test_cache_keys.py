@@ -349,3 +349,23 @@ def test_a_paced_hashing_is_told_its_position_in_the_tree(tmp_path, monkeypatch)
         ident = identity_of_tree(tree, stat_cache=sc, pace=paces.append)
     assert paces == [10_000 + 4096, 10_000 + 5_000], "only b is read, from its place after a"
     assert ident.hashed_files == 1 and ident == source_identity(src)
+
+
+def test_the_cache_maps_only_its_own_files(tmp_path, monkeypatch):
+    """Entry files this user wrote are hashed through a memory map (fast); another user's (one who converted into a
+    shared cache can shorten his files) are read, as sources are: a mapped file shortened meanwhile is a SIGBUS."""
+    read: list[int] = []
+    real = keys_mod._feed
+    monkeypatch.setattr(keys_mod, "_feed", lambda h, fd, size, pace: read.append(size) or real(h, fd, size, pace))
+    data = os.urandom(100_000)
+    mine = tmp_path / "mine.safetensors"
+    mine.write_bytes(data)
+    expected = keys_mod.hash_file(mine)
+    read.clear()
+    assert keys_mod.hash_own_file(mine) == expected and read == []
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    theirs = tmp_path / "theirs.safetensors"
+    theirs.write_bytes(data)
+    os.chown(theirs, 65534, 65534)
+    assert keys_mod.hash_own_file(theirs) == expected and read == [100_000]
