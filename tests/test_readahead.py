@@ -160,3 +160,17 @@ def test_no_read_ahead_beside_a_hashing(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "hashed alongside" in done.stderr and "torch imported" not in done.stderr, done.stderr
+
+
+def test_a_fifo_is_never_waited_on(tmp_path):
+    """A FIFO as the index or as a shard (the conversion refuses it, naming it) must not block the read-ahead."""
+    d = tmp_path / "src"
+    d.mkdir()
+    os.mkfifo(d / "model.safetensors.index.json")
+    os.mkfifo(d / "a.safetensors")
+    (d / "b.safetensors").write_bytes(b"x" * 100)
+    files = shard_files(d)
+    assert [p.name for p in files] == ["a.safetensors", "b.safetensors"]
+    ahead = ReadAhead(files, budget=1000)
+    ahead.join(10)
+    assert ahead.bytes_read == 100

@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import platform
+import stat
 import sys
 import threading
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from pathlib import Path
 READ_AHEAD_BYTES = 8 << 30
 #: Bytes read at once.
 _SLICE_BYTES = 8 << 20
+#: An index larger than this is not read here (the conversion's plan reports it).
+_INDEX_MAX_BYTES = 64 << 20
 #: ioprio_set's system call number per machine (Python and glibc have no wrapper).
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 
@@ -60,9 +63,8 @@ class ReadAhead:
         _idle_io()
         buf = memoryview(bytearray(_SLICE_BYTES))
         for path in self._files:
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
+            fd = _open_regular(path)
+            if fd is None:
                 continue
             try:
                 offset = 0
@@ -101,12 +103,32 @@ def _idle_io() -> None:
             pass
 
 
+def _open_regular(path: str | os.PathLike[str]) -> int | None:
+    """A read descriptor of ``path`` if it is a regular file, else None (a FIFO or a device is never waited on:
+    the conversion refuses them, with their names)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
 def shard_files(src: str | os.PathLike[str]) -> list[Path]:
     """The shards of a checkpoint directory in the order the conversion reads them: the index's (sorted, as the
     plan sorts them), else the ``*.safetensors`` files in name order; [] when neither can be read."""
     src = Path(src)
+    fd = _open_regular(src / "model.safetensors.index.json")
     try:
-        index = json.loads((src / "model.safetensors.index.json").read_text())
+        if fd is None:
+            raise OSError("no regular index")
+        with os.fdopen(fd, "rb") as f:
+            index = json.loads(f.read(_INDEX_MAX_BYTES))  # (a larger one is cut: not JSON, the name order is used)
         names = {n for n in index["weight_map"].values() if isinstance(n, str) and Path(n).name == n != ".."}
         return [src / name for name in sorted(names) if not name.startswith(".")]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

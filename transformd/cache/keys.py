@@ -64,8 +64,9 @@ HASH_CHUNK_BYTES = 8 << 20
 #: Threads that read a file's slices ahead of its hashing.
 _READERS = 4
 
-#: ``pace(n)``: called before a hashing reads on, with the bytes it will have read once the next slice is read; it may
-#: block (to keep the hashing behind a conversion) or raise (to stop it).
+#: ``pace(n)``: called before a hashing reads its next slice, with the position in the source where that slice ends
+#: (the bytes of the files before it, in the tree's order, plus the file's own up to there); it may block (to keep
+#: the hashing behind a conversion) or raise (to stop it).
 Pace = Callable[[int], None]
 
 _HUB_SHA256 = re.compile(r"^[0-9a-f]{64}$")
