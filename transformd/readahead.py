@@ -107,7 +107,7 @@ def _open_regular(path: str | os.PathLike[str]) -> int | None:
     """A read descriptor of ``path`` if it is a regular file, else None (a FIFO or a device is never waited on:
     the conversion refuses them, with their names)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)  # as securefs.OPEN_FLAGS
     except OSError:
         return None
     try:
