@@ -18,17 +18,25 @@ Shared arithmetic facts:
 * ``exact`` mode: the tile's power-of-two scale comes from the block maxima with
   integer arithmetic on float32 bits; ``v / 2**E`` is then one power-of-two
   multiply per block, exact unless the result falls below e4m3fn's normal range.
-* ``amax`` mode needs the IEEE quotient ``v / scale`` (plain ``/`` is not
-  IEEE-rounded in Triton on NVIDIA). Elements and the tile amax both carry 4-bit
-  significands, so the quotient comes from one reciprocal per tile and one FMA
-  correction step (Markstein), checked on all 64 significand pairs; tiles of
-  extreme magnitude, where intermediates could leave float32's normal range,
-  use ``div_rn`` instead.
+* ``amax`` mode rounds the IEEE quotient ``v / scale`` (plain ``/`` is not
+  IEEE-rounded in Triton on NVIDIA), ``v = m * 2**(s-127)`` for a code's value m.
+  With ``scale = sig * 2**e`` (sig in [1, 2)), ``d = s - 127 - e`` and ``r = 1/sig``
+  (rounded), ``v / scale = (m / sig) * 2**d`` and the per-block factor ``r * 2**d``
+  makes ``y0 = m * (r * 2**d)`` one multiply per element, as in ``exact`` mode
+  (d is clamped to [-30, 20]: below, every quotient rounds to 0; above, a block
+  holds only zeros; so every intermediate is a normal float32). y0 can be one
+  float32 ulp off the IEEE quotient, but it rounds to the same e4m3fn code
+  wherever the scale is a normal float32: its significand is one of 8, the code's
+  one of 8, and no pair puts the quotient within an ulp of an e4m3fn rounding
+  boundary (tests/test_amax_division.py checks the 64 pairs exactly). Tiles whose
+  scale is subnormal (amax below 448 * 2**-126: 78 more significands) correct y0 by
+  two FMAs (Markstein) to the IEEE quotient itself.
 
 Launches: :func:`convert_triton` converts one weight ([N, K], or an [E, N, K] stack) per launch;
 :func:`convert_triton_grouped` (a list of weights of any shapes) and :func:`convert_packed` (weights
-packed in one buffer, as the checkpoint pipeline batches them) convert many in one launch over all their
-tiles, through a table of offsets, so thousands of small per-expert tensors cost one launch, not thousands.
+packed in one buffer, as the checkpoint pipeline batches them) convert many weights of one shape in one
+launch over all their tiles, through a table of offsets (a launch per distinct shape), so thousands of small
+per-expert tensors cost a launch per shape, not one each.
 Every launch runs the same tile programs (:func:`_tile_portable`, :func:`_tile_ptx`).
 
 Invalid input is not converted silently: each tile writes a status word
@@ -112,9 +120,25 @@ def _block_shift(s, exp):
 
 
 @triton.jit
-def _amax_fast(amax):
-    """Whether the FMA division is exact for this tile: intermediates stay normal float32."""
-    return (amax >= 7.888609052210118e-31) & (amax <= 1.2676506002282294e30)  # 2**-100 .. 2**100
+def _amax_factors(s, amax):
+    """amax mode: the tile's scale (amax / 448, IEEE), per block [TILE, NB] the factors ``rb = r * 2**d`` and
+    ``nsb = -sig * 2**-d`` of the division ``v / scale`` (module docstring), and whether the scale is subnormal.
+
+    For a code's value m, ``y0 = m * rb`` rounds to the right e4m3fn code unless the scale is subnormal; then
+    ``fma(fma(y0, nsb, m), rb, y0)`` is the IEEE quotient.
+    """
+    scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, 448.0))
+    bits = scale.to(tl.int32, bitcast=True)
+    subnormal = bits < 0x800000
+    # A subnormal scale (the tiniest tiles) is normalised by an exact int -> float conversion of its bits.
+    bits = tl.where(subnormal, bits.to(tl.float32).to(tl.int32, bitcast=True), bits)
+    e = (bits >> 23) - tl.where(subnormal, 127 + 149, 127)
+    sig_bits = (bits & 0x7FFFFF) | 0x3F800000
+    r_bits = tl.math.div_rn(1.0, sig_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    d = tl.minimum(tl.maximum(s - 127 - e, -30), 20)
+    rb = (r_bits + (d << 23)).to(tl.float32, bitcast=True)
+    nsb = -((sig_bits - (d << 23)).to(tl.float32, bitcast=True))
+    return scale, rb, nsb, subnormal
 
 
 @triton.jit
@@ -178,14 +202,11 @@ def _tile_portable(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pi
         scale = _exp2(exp)
         y = m * _spread(_block_shift(s, exp), TILE_, NB, BLOCK_)
     else:
-        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, 448.0))
-        v = m * _spread(block_scale, TILE_, NB, BLOCK_)
-        if _amax_fast(amax):
-            r = tl.math.div_rn(1.0, scale)
-            y0 = v * r
-            y = tl.fma(tl.fma(-y0, scale, v), r, y0)
-        else:
-            y = tl.math.div_rn(v, scale)
+        scale, rb, nsb, subnormal = _amax_factors(s, amax)
+        rb = _spread(rb, TILE_, NB, BLOCK_)
+        y = m * rb
+        if subnormal:
+            y = tl.fma(tl.fma(y, _spread(nsb, TILE_, NB, BLOCK_), m), rb, y)
     code = _e4m3fn_magnitude(y)
     if FNUZ:
         sign = tl.where(code == 0, 0, sign)  # -0 is NaN in FNUZ: write +0
@@ -235,15 +256,12 @@ cvt.rn.satfinite.e4m3x2.f32 p1, f3, f2;
 mov.b32 o, {{p0, p1}};
 {fnuz}
 }}"""
-# exact: f = m * 2**d ($2), a power-of-two multiply.
-_PTX_EXACT = "\n".join(f"mul.rn.f32 f{i}, f{i}, $2;" for i in range(4))
-# amax: v = m * 2**(s-127) ($2); y0 = v * r ($3 = 1/scale); y = y0 + (v - y0 * scale) * r ($4 = -scale).
-_PTX_AMAX_FMA = "\n".join(
-    f"mul.rn.f32 f{i}, f{i}, $2;\nmul.rn.f32 y{i}, f{i}, $3;\nfma.rn.f32 e{i}, y{i}, $4, f{i};\nfma.rn.f32 f{i}, e{i}, $3, y{i};"
-    for i in range(4)
+# f = m * $2: exact mode's power of two 2**d, amax mode's r * 2**d (_amax_factors).
+_PTX_MUL = "\n".join(f"mul.rn.f32 f{i}, f{i}, $2;" for i in range(4))
+# amax, subnormal scale: y0 = m * rb ($2 = r * 2**d); y = y0 + (m - y0 * sig * 2**-d) * rb ($3 = -sig * 2**-d).
+_PTX_AMAX_CORRECTED = "\n".join(
+    f"mul.rn.f32 y{i}, f{i}, $2;\nfma.rn.f32 e{i}, y{i}, $3, f{i};\nfma.rn.f32 f{i}, e{i}, $2, y{i};" for i in range(4)
 )
-# amax, extreme tiles: v = m * 2**(s-127) ($2); y = v / scale ($3), IEEE division.
-_PTX_AMAX_DIV = "\n".join(f"mul.rn.f32 f{i}, f{i}, $2;\ndiv.rn.f32 f{i}, f{i}, $3;" for i in range(4))
 # Bytes of o are <= 0x7E, so adding 0x7F per byte sets bit 7 exactly where a byte is nonzero.
 _PTX_SIGN_FNUZ = "add.u32 t, o, 0x7F7F7F7F;\nand.b32 t, t, sg;\nor.b32 $0, o, t;"
 _PTX_SIGN_OCP = "or.b32 $0, o, sg;"
@@ -253,12 +271,10 @@ def _ptx(body: str, sign: str) -> tl.constexpr:
     return tl.constexpr(_PTX_CONVERT.format(body=body, fnuz=sign))
 
 
-_PTX_EXACT_FNUZ = _ptx(_PTX_EXACT, _PTX_SIGN_FNUZ)
-_PTX_EXACT_OCP = _ptx(_PTX_EXACT, _PTX_SIGN_OCP)
-_PTX_AMAX_FMA_FNUZ = _ptx(_PTX_AMAX_FMA, _PTX_SIGN_FNUZ)
-_PTX_AMAX_FMA_OCP = _ptx(_PTX_AMAX_FMA, _PTX_SIGN_OCP)
-_PTX_AMAX_DIV_FNUZ = _ptx(_PTX_AMAX_DIV, _PTX_SIGN_FNUZ)
-_PTX_AMAX_DIV_OCP = _ptx(_PTX_AMAX_DIV, _PTX_SIGN_OCP)
+_PTX_MUL_FNUZ = _ptx(_PTX_MUL, _PTX_SIGN_FNUZ)
+_PTX_MUL_OCP = _ptx(_PTX_MUL, _PTX_SIGN_OCP)
+_PTX_AMAX_CORRECTED_FNUZ = _ptx(_PTX_AMAX_CORRECTED, _PTX_SIGN_FNUZ)
+_PTX_AMAX_CORRECTED_OCP = _ptx(_PTX_AMAX_CORRECTED, _PTX_SIGN_OCP)
 _PTX_WORD_MAX_C = tl.constexpr(_PTX_WORD_MAX)
 
 
@@ -296,33 +312,28 @@ def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, 
     w = tl.load(q_ptr + w_off, mask=wmask, other=0)  # int32 [TILE, TW]
     s = tl.load(s_ptr + s_off, mask=smask, other=127).to(tl.int32)  # [TILE, NB]
 
-    shape: tl.constexpr = [TILE_, TW]
     bmax16 = tl.max(tl.reshape(_ptx_word_max(w), [TILE_, NB, WB]), axis=2)  # f16 bits of each block's largest magnitude
     block_scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
     bmax = bmax16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     amax = tl.max(tl.max(bmax * block_scale, axis=1), axis=0)
     status = _tile_status(bmax16 > 0x7C00, s, amax)
 
+    asm_mul: tl.constexpr = _PTX_MUL_FNUZ if FNUZ else _PTX_MUL_OCP
     if EXACT:
         exp = _tile_exponent(amax)
         scale = _exp2(exp)
         shift = _spread(_block_shift(s, exp), TILE_, NB, WB)
-        asm: tl.constexpr = _PTX_EXACT_FNUZ if FNUZ else _PTX_EXACT_OCP
-        o = tl.inline_asm_elementwise(asm, "=r,r,f", [w, shift], dtype=tl.int32, is_pure=True, pack=1)
+        o = tl.inline_asm_elementwise(asm_mul, "=r,r,f", [w, shift], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, 448.0))
-        bs = _spread(block_scale, TILE_, NB, WB)
-        if _amax_fast(amax):
-            r = tl.full(shape, tl.math.div_rn(1.0, scale), tl.float32)
-            neg_scale = tl.full(shape, -scale, tl.float32)
-            asm_fma: tl.constexpr = _PTX_AMAX_FMA_FNUZ if FNUZ else _PTX_AMAX_FMA_OCP
+        scale, rb, nsb, subnormal = _amax_factors(s, amax)
+        rb = _spread(rb, TILE_, NB, WB)
+        if subnormal:
+            asm_amax: tl.constexpr = _PTX_AMAX_CORRECTED_FNUZ if FNUZ else _PTX_AMAX_CORRECTED_OCP
             o = tl.inline_asm_elementwise(
-                asm_fma, "=r,r,f,f,f", [w, bs, r, neg_scale], dtype=tl.int32, is_pure=True, pack=1
+                asm_amax, "=r,r,f,f", [w, rb, _spread(nsb, TILE_, NB, WB)], dtype=tl.int32, is_pure=True, pack=1
             )
         else:
-            asm_div: tl.constexpr = _PTX_AMAX_DIV_FNUZ if FNUZ else _PTX_AMAX_DIV_OCP
-            div_scale = tl.full(shape, scale, tl.float32)
-            o = tl.inline_asm_elementwise(asm_div, "=r,r,f,f", [w, bs, div_scale], dtype=tl.int32, is_pure=True, pack=1)
+            o = tl.inline_asm_elementwise(asm_mul, "=r,r,f", [w, rb], dtype=tl.int32, is_pure=True, pack=1)
     if FNUZ:
         scale = scale * 2.0
     tl.store(out_ptr + w_off, o, mask=wmask)
@@ -330,7 +341,10 @@ def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, 
     tl.store(status_ptr, status)
 
 
-@triton.jit
+# N is never specialised: Triton compiles an int argument equal to 1 as a constant, and the ptx tile program
+# compiled for N == 1 took a wrong tile maximum on the H200 (triton 3.6; the one-row tiles of
+# tests/support/kernel_cases.py). Its divisibility by 16 is not needed either: offsets come from K or the table.
+@triton.jit(do_not_specialize=["N"])
 def _mx_to_block_fp8_kernel(
     q_ptr,
     s_ptr,
@@ -375,7 +389,7 @@ def _mx_to_block_fp8_kernel(
 GRID_Z = 65535
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # as _mx_to_block_fp8_kernel
 def _mx_to_block_fp8_grouped_kernel(
     table_ptr,
     N,
@@ -542,7 +556,6 @@ class PackedWeight:
         return codes, scales.view(*self.shape[:-1], self.shape[-1] // MX_BLOCK)
 
 
-#: The largest chunk (tiles of one weight per table row), and the sizes tried besides the weights' own counts.
 def _launch_group(
     rows: list[tuple[int, ...]],
     bases: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -552,7 +565,8 @@ def _launch_group(
     num_warps: int | None,
     aligned: bool,
 ) -> tuple[torch.Tensor, list[int]] | None:
-    """One launch over ``rows`` (shape, code, scale, output-code offsets in bytes, output-scale offset in floats).
+    """Convert ``rows`` (shape, code, scale, output-code offsets in bytes, output-scale offset in floats): one
+    launch per distinct [N, K] (more past :data:`GRID_Z` experts), all into one status buffer.
 
     Returns the per-tile status words and each row's first tile, or None when there is no tile at all.
     """
@@ -637,7 +651,7 @@ def convert_packed(
     num_warps: int | None = None,
     check: bool = True,
 ) -> None:
-    """Convert every weight packed in the uint8 ``buffer`` with one launch.
+    """Convert every weight packed in the uint8 ``buffer``, one launch per distinct weight shape.
 
     Each weight's converted codes go to ``out`` (uint8) at its own ``code_offset``, its scale_inv to the
     float32 ``out_scales`` at ``out_scale_offset``: the bytes of :func:`convert_triton` for each. Shapes are
@@ -662,11 +676,11 @@ def convert_triton_grouped(
     out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     check: bool = True,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`convert_triton` for many weights (2-D or 3-D, any mix of shapes, one device) in one launch.
+    """:func:`convert_triton` for many weights (2-D or 3-D, any mix of shapes, one device), one launch per shape.
 
-    Returns each weight's (codes, scale_inv), the same bytes as converting it alone. One launch costs one
-    launch's CPU time whatever the number of weights, which is what thousands of small per-expert tensors
-    need. ``out`` gives the output tensors (contiguous); by default the scales share one allocation. Raises
+    Returns each weight's (codes, scale_inv), the same bytes as converting it alone. A launch costs one
+    launch's CPU time whatever the number of weights of its shape, which is what thousands of small per-expert
+    tensors need. ``out`` gives the output tensors (contiguous); by default the scales share one allocation. Raises
     :class:`GroupMemberError` (an :class:`MxFormatError`) with the index of the first invalid weight.
     """
     target, scale_mode = Target(target), ScaleMode(scale_mode)

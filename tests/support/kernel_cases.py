@@ -51,6 +51,30 @@ def awkward_cases():
     tiles = torch.stack(tiles)
     cases["every amax significand"] = (tiles, torch.full((8, 128, 4), 127, dtype=torch.uint8))
     cases["every amax significand, scales 120..134"] = (tiles, torch.randint(120, 135, (8, 128, 4), dtype=torch.uint8))
+    # amax mode divides by the significand of the tile's scale (amax / 448): 8 significands where the scale is a
+    # normal float32, 78 more where it is subnormal (amax < 448 * 2**-126), all reached by scale bytes 0 and 1.
+    # One 1x128 tile per amax code, holding every code up to it (every quotient of the tile), signs alternating.
+    rows = torch.zeros((0x7E, 1, 128), dtype=torch.int32)
+    for amax_code in range(1, 0x7F):
+        codes = torch.arange(amax_code + 1, dtype=torch.int32)
+        rows[amax_code - 1, 0, : amax_code + 1] = codes | (codes % 2) * 0x80
+    for byte in (0, 1, 127):
+        cases[f"every amax code, one-row tiles, scale byte {byte}"] = (
+            rows.to(torch.uint8), torch.full((0x7E, 1, 4), byte, dtype=torch.uint8)
+        )
+    # One multiply per element must round like the IEEE quotient at every exponent (tests/test_amax_division.py):
+    # one tile per amax significand, every code below it in blocks 0..23 scale steps under the amax's block, so
+    # quotients reach e4m3fn's subnormals and the rounding to 0.
+    tiles = torch.zeros((8, 128, 128), dtype=torch.int32)
+    scales = torch.zeros((8, 128, 4), dtype=torch.int32)
+    block = torch.arange(128 * 4).view(128, 4)  # block j: 24 * t + shift
+    for i, amax_code in enumerate(range(0x70, 0x78)):
+        group = (block // 24) % 4  # which 32 codes (of 0..amax_code) block j holds
+        codes = (group[:, :, None] * 32 + torch.arange(32)) % (amax_code + 1)
+        tiles[i] = (codes | (block[:, :, None] % 2) * 0x80).view(128, 128)
+        scales[i] = 127 - block % 24
+    name = "every amax significand, every code 0..23 scale steps below"
+    cases[name] = (tiles.to(torch.uint8), scales.to(torch.uint8))
     return cases
 
 
