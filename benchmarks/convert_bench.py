@@ -25,8 +25,9 @@ Before every cold measurement everything is synced and the source's pages are dr
 warm hit); with ``--daemon``, a daemon's first resolve and ``convert --cache-dir`` while a daemon serves that
 cache (it converts); and, with the source in the page cache, ``convert --out`` against ``cp -r`` + ``sync`` (the time
 to write and fsync the same bytes). Cold means ``echo 3 > /proc/sys/vm/drop_caches`` (as root), else
-``posix_fadvise(DONTNEED)`` on the source. The sample stores experts as per-expert 2-D tensors (thousands)
-unless ``--fused``.
+``posix_fadvise(DONTNEED)`` on the source; ``--cold-source-only``: only the source, as on a node whose torch and
+CUDA libraries are in the page cache from an earlier run (the whole drop is the first run on a fresh node). The
+sample stores experts as per-expert 2-D tensors (thousands) unless ``--fused``.
 
 Needs torch, safetensors and numpy; psutil, blake3 (the cache) and a GPU are optional.
 """
@@ -301,9 +302,13 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 # Whole processes (--whole-process)
 
 
-def drop_caches(path: Path) -> str:
-    """Everything written back, then the page cache dropped: all of it as root, else ``path``'s pages."""
+def drop_caches(path: Path, only: bool = False) -> str:
+    """Everything written back, then the page cache dropped: all of it as root (unless ``only``), else ``path``'s
+    pages."""
     os.sync()
+    if only:
+        drop_from_page_cache(path)
+        return "fadvise, the source only"
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
@@ -459,7 +464,7 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
     for _ in range(args.rounds):
         for name, cold, step, cleanup in steps:
             if cold:
-                how = drop_caches(src)
+                how = drop_caches(src, only=args.cold_source_only)
             elif "page cache" in name:
                 subprocess.run(["cat", *map(str, sorted(src.rglob("*.safetensors")))], stdout=subprocess.DEVNULL,
                                check=True)
@@ -650,6 +655,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fused", action="store_true", help="3-D fused expert tensors instead of one per expert")
     p.add_argument("--lookups", type=int, default=100, help="warm lookups to time")
     p.add_argument("--keep-page-cache", action="store_true", help="do not drop the source from the page cache")
+    p.add_argument("--cold-source-only", action="store_true",
+                   help="with --whole-process: a cold step drops only the source's pages (Python, torch and the CUDA "
+                        "libraries stay in the page cache, as on a node that ran them before); by default, as root, "
+                        "the whole page cache")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("-v", "--verbose", action="store_true", help="say what is being measured on stderr")
     p.add_argument("--whole-process", action="store_true", help="time whole CLI processes against cp -r + sync")
