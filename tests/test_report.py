@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import transformd.report as report_module
+from transformd.errors import CheckpointError
 from transformd.formats import Target
 from transformd.reference import convert_reference
 from transformd.report import (
@@ -247,6 +251,25 @@ def test_compare_checkpoints_refuses_unconverted(sample: Path, tmp_path: Path):
         compare_checkpoints(sample, copy)
     with pytest.raises(FileNotFoundError):
         compare_checkpoints(sample, tmp_path)
+
+
+def test_compare_checkpoints_names_a_file_shortened_meanwhile(sample: Path, tmp_path: Path, monkeypatch):
+    """Tensors are read, not memory-mapped: a file shortened after its header was read is an error naming it (a
+    memory map would have killed the process with SIGBUS, had it shrunk while a tensor was copied out)."""
+    out = _convert_dir(sample, tmp_path / "out", "ocp", "exact")
+    weight = "model.layers.0.mlp.experts.0.down_proj.weight"
+    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][weight]
+    real = report_module.read_header
+
+    def read_header_then_shorten(path):
+        header = real(path)
+        if Path(path) == shard:
+            os.truncate(shard, header.tensors[weight].begin + 1)
+        return header
+
+    monkeypatch.setattr(report_module, "read_header", read_header_then_shorten)
+    with pytest.raises(CheckpointError, match=f"file {re.escape(str(shard))}, tensor {re.escape(weight)}: file ended"):
+        compare_checkpoints(sample, out)
 
 
 def test_format_table(sample: Path):

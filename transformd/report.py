@@ -26,12 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .formats import ScaleMode, Target, infer_row_block
 from .mx import as_codes, expand_row_blocks
 from .reference import convert_reference, dequantize_block, dequantize_mx
-from .safetensors_io import read_header
+from .safetensors_io import TensorInfo, read_header, read_tensor
 
 __all__ = [
     "LEGEND",
@@ -249,7 +248,8 @@ def compare_modes_checkpoint(src_dir: str | Path, target: Target | str = Target.
 
 
 class _Checkpoint:
-    """Tensor names, dtypes and shapes of a checkpoint (from the safetensors headers); tensors load on demand."""
+    """Tensor names, dtypes and shapes of a checkpoint (from the safetensors headers); tensors load on demand, by
+    reads (a memory map would kill the process with SIGBUS if a file were shortened meanwhile)."""
 
     def __init__(self, ckpt: Path):
         index = ckpt / "model.safetensors.index.json"
@@ -260,12 +260,14 @@ class _Checkpoint:
         else:
             raise FileNotFoundError(f"{ckpt} has neither model.safetensors.index.json nor model.safetensors")
         self.file: dict[str, Path] = {}
+        self.info: dict[str, TensorInfo] = {}
         self.dtype: dict[str, str] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         for fname in files:
             path = ckpt / fname
             for name, info in read_header(path).tensors.items():
                 self.file[name], self.dtype[name], self.shape[name] = path, info.dtype, tuple(info.shape)
+                self.info[name] = info
 
     def __contains__(self, name: str) -> bool:
         return name in self.file
@@ -274,8 +276,8 @@ class _Checkpoint:
         return sorted(self.file, key=_natural_key)
 
     def load(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.file[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        with open(self.file[name], "rb") as f:
+            return read_tensor(f, self.info[name], path=self.file[name])
 
     def mx_scale(self, weight: str) -> str | None:
         """The E8M0 scale of ``weight`` (float8_e4m3fn or uint8 codes), if it has one."""

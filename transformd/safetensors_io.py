@@ -96,7 +96,10 @@ def read_tensor(f: BinaryIO, info: TensorInfo, *, path: str | os.PathLike[str] |
     """One tensor of an open safetensors file, typed and shaped as its header says (little-endian host)."""
     if info.dtype not in TORCH_DTYPES:
         raise CheckpointError(f"dtype {info.dtype} has no torch equivalent", file=path, tensor=info.name)
-    raw = read_range(f, info.begin, info.nbytes, path=path)
+    try:
+        raw = read_range(f, info.begin, info.nbytes, path=path)
+    except CheckpointError as exc:  # name the tensor too
+        raise CheckpointError(exc.problem, file=path, tensor=info.name) from None
     return raw.view(TORCH_DTYPES[info.dtype]).reshape(info.shape)
 
 
