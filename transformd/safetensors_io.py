@@ -75,8 +75,11 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 _COPY_CHUNK = 16 * 1024 * 1024
 
 
-def read_range(f: BinaryIO, begin: int, nbytes: int, *, path: str | os.PathLike[str] | None = None) -> torch.Tensor:
-    """``nbytes`` bytes of an open file from absolute offset ``begin``, as a fresh uint8 tensor."""
+def read_range(
+    f: BinaryIO, begin: int, nbytes: int, *, path: str | os.PathLike[str] | None = None, tensor: str | None = None
+) -> torch.Tensor:
+    """``nbytes`` bytes of an open file from absolute offset ``begin``, as a fresh uint8 tensor (errors name
+    ``path`` and ``tensor``)."""
     out = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes == 0:
         return out
@@ -87,7 +90,7 @@ def read_range(f: BinaryIO, begin: int, nbytes: int, *, path: str | os.PathLike[
         got = f.readinto(view[done:])
         if not got:
             problem = f"file ended {nbytes - done} bytes early while reading bytes [{begin}, {begin + nbytes})"
-            raise CheckpointError(problem, file=path)
+            raise CheckpointError(problem, file=path, tensor=tensor)
         done += got
     return out
 
@@ -96,10 +99,7 @@ def read_tensor(f: BinaryIO, info: TensorInfo, *, path: str | os.PathLike[str] |
     """One tensor of an open safetensors file, typed and shaped as its header says (little-endian host)."""
     if info.dtype not in TORCH_DTYPES:
         raise CheckpointError(f"dtype {info.dtype} has no torch equivalent", file=path, tensor=info.name)
-    try:
-        raw = read_range(f, info.begin, info.nbytes, path=path)
-    except CheckpointError as exc:  # name the tensor too
-        raise CheckpointError(exc.problem, file=path, tensor=info.name) from None
+    raw = read_range(f, info.begin, info.nbytes, path=path, tensor=info.name)
     return raw.view(TORCH_DTYPES[info.dtype]).reshape(info.shape)
 
 
