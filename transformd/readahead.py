@@ -5,7 +5,13 @@ cannot write before that. The disk would idle meanwhile, so the source's first s
 then (:class:`ReadAhead`), and the conversion finds them there. It stops when the conversion starts (from then on
 its reads would take the disk from the conversion's writes) and after :func:`read_ahead_bytes` at the most (what is
 read ahead must stay in the page cache until the conversion reads it). The hashing beside a conversion reads ahead
-the same way (:class:`transformd.cache.alongside.Hasher`, paced by the same bound). No torch here.
+of it afterwards (:class:`transformd.cache.alongside.Hasher`, paced by the same bound). No torch here.
+
+The reading must not wait for the GIL, which the import holds nearly all the time: a thread that takes it back
+after every 8 MiB ``preadv`` read 2.8-3.4 GiB during 3.5-4.2 s start-ups on the H200 machine, about half the
+disk's 1.6 GiB/s. So each slice is one ``sendfile`` into ``/dev/null`` (the kernel reads the file into the page
+cache and copies nothing to this process), :data:`_SLICE_BYTES` at a time: 4.75-5.94 GiB in the same start-ups
+(``benchmarks/startup_bench.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from pathlib import Path
 
 #: Bytes read ahead of a conversion at the most (:func:`read_ahead_bytes` lowers it on a small machine).
 READ_AHEAD_BYTES = 8 << 30
-#: Bytes read at once.
-_SLICE_BYTES = 8 << 20
+#: Bytes read by one system call (at the disk's ~1.6 GiB/s, 40 ms: what :meth:`ReadAhead.stop` may leave running).
+_SLICE_BYTES = 64 << 20
 #: An index larger than this is not read here (the conversion's plan reports it).
 _INDEX_MAX_BYTES = 64 << 20
 #: ioprio_set's system call number per machine (Python and glibc have no wrapper).
@@ -61,25 +67,25 @@ class ReadAhead:
 
     def _run(self) -> None:
         _idle_io()
-        buf = memoryview(bytearray(_SLICE_BYTES))
-        for path in self._files:
-            fd = _open_regular(path)
-            if fd is None:
-                continue
-            try:
-                offset = 0
-                while not self._stopped.is_set() and self.bytes_read < self._budget:
-                    n = os.preadv(fd, [buf[: min(_SLICE_BYTES, self._budget - self.bytes_read)]], offset)
-                    if n <= 0:
-                        break
-                    offset += n
-                    self.bytes_read += n
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-            if self._stopped.is_set() or self.bytes_read >= self._budget:
-                return
+        with _Reader() as read:
+            for path in self._files:
+                fd = _open_regular(path)
+                if fd is None:
+                    continue
+                try:
+                    offset = 0
+                    while not self._stopped.is_set() and self.bytes_read < self._budget:
+                        n = read(fd, offset, min(_SLICE_BYTES, self._budget - self.bytes_read))
+                        if n <= 0:
+                            break
+                        offset += n
+                        self.bytes_read += n
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+                if self._stopped.is_set() or self.bytes_read >= self._budget:
+                    return
 
     def stop(self) -> None:
         """Stop after the slice being read (does not wait)."""
@@ -87,6 +93,35 @@ class ReadAhead:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+
+class _Reader:
+    """``read(fd, offset, size)``: read that range of a file into the page cache; the bytes read (0 at its end).
+    By ``sendfile`` into ``/dev/null``; by ``preadv`` into a buffer once that fails (a file system or a kernel
+    that refuses it)."""
+
+    def __enter__(self) -> _Reader:
+        try:
+            self._null: int | None = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            self._null = None
+        self._buf: memoryview | None = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._null is not None:
+            os.close(self._null)
+
+    def __call__(self, fd: int, offset: int, size: int) -> int:
+        if self._null is not None:
+            try:
+                return os.sendfile(self._null, fd, offset, size)
+            except OSError:  # (a read error proper comes again from preadv)
+                os.close(self._null)
+                self._null = None
+        if self._buf is None or len(self._buf) < size:
+            self._buf = memoryview(bytearray(size))
+        return os.preadv(fd, [self._buf[:size]], offset)
 
 
 def _idle_io() -> None:

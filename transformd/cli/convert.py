@@ -128,16 +128,11 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
 
 
 @contextlib.contextmanager
-def _reading_ahead(src: str | Path, progress: Callable[[Any], None], read: bool = True
-                   ) -> Iterator[Callable[[Any], None]]:
+def _reading_ahead(src: str | Path, progress: Callable[[Any], None]) -> Iterator[Callable[[Any], None]]:
     """Read ``src``'s first shards into the page cache while torch is imported (:mod:`transformd.readahead`);
-    ``progress`` is given back wrapped so that the conversion's first update stops the reading. ``read`` false:
-    nothing is read, ``progress`` comes back as it is."""
+    ``progress`` is given back wrapped so that the conversion's first update stops the reading."""
     from ..readahead import ReadAhead, shard_files
 
-    if not read:
-        yield progress
-        return
     ahead = ReadAhead(shard_files(src))
 
     def update(status: Any) -> None:
@@ -221,8 +216,9 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         entry = convert_through_daemon(cache, args.src, recipe, known=known, progress_every=args.progress_every)
     if entry is None:
         bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
-        # a source new to the cache is read ahead by its hashing (cache.alongside), a known one here
-        with bar, _reading_ahead(args.src, lambda status: bar.update(status.progress), known is not None) as update:
+        # also beside the hashing of a source new to the cache (cache.alongside): that one waits for the GIL, which
+        # the import holds, between its reads, and then finds in the page cache what was read ahead
+        with bar, _reading_ahead(args.src, lambda status: bar.update(status.progress)) as update:
             entry = cache.get_or_convert(args.src, recipe, progress=update, identity=known)
     _print_outcome(_recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
