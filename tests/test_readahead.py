@@ -173,7 +173,12 @@ _PROBE = (
     "              file=sys.stderr)\n"
     "    stop(self)\n"
     "r.ReadAhead.__init__, r.ReadAhead.stop = started, stopped\n"
-
+    "import transformd.cuda_start as c\n"
+    "start_cuda = c.start_cuda\n"
+    "def cuda(device):\n"
+    "    print('cuda started for', device, 'torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+    "    return start_cuda(device)\n"
+    "c.start_cuda = cuda\n"
     "if '--hashed' in sys.argv:\n"  # every source new to the cache is hashed beside its conversion
     "    sys.argv.remove('--hashed')\n"
     "    import transformd.cache.alongside as al\n"
@@ -185,8 +190,8 @@ _PROBE = (
 
 @pytest.mark.parametrize("where", ["--out", "--cache-dir", "--cache-dir, hashed"])
 def test_a_cold_convert_reads_ahead_while_torch_is_imported(tmp_path, where):
-    """The read-ahead starts before torch is imported and stops at the conversion's first progress; the output is
-    right. Into the cache:
+    """The read-ahead starts before torch is imported and stops at the conversion's first progress, CUDA is started
+    (for the device asked: nothing for the CPU) before torch is imported too; the output is right. Into the cache:
     a source the cache already knows (keyed by the stat cache, converted with a second target), and one new to it,
     hashed beside its conversion (whose reads wait for the GIL the import holds)."""
     src = write_checkpoint(tmp_path / "src")
@@ -204,7 +209,8 @@ def test_a_cold_convert_reads_ahead_while_torch_is_imported(tmp_path, where):
     done = runs[-1]
     said = [line for line in done.stderr.splitlines() if "torch imported" in line]
     # stopped by the conversion's first progress update, not at the end
-    assert said == ["read ahead, torch imported: False", "stopped by update torch imported: True"], done.stderr
+    assert said == ["read ahead, torch imported: False", "cuda started for cpu torch imported: False",
+                    "stopped by update torch imported: True"], done.stderr
     assert ("hashed alongside" in done.stderr) == ("hashed" in where), done.stderr
     assert_converted(src, Path(done.stdout.splitlines()[-1]), "fnuz" if where == "--cache-dir" else "ocp", "exact")
 

@@ -128,12 +128,16 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
 
 
 @contextlib.contextmanager
-def _reading_ahead(src: str | Path, progress: Callable[[Any], None]) -> Iterator[Callable[[Any], None]]:
-    """Read ``src``'s first shards into the page cache while torch is imported (:mod:`transformd.readahead`);
-    ``progress`` is given back wrapped so that the conversion's first update stops the reading."""
+def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None]
+                    ) -> Iterator[Callable[[Any], None]]:
+    """While torch is imported: read ``src``'s first shards into the page cache (:mod:`transformd.readahead`) and
+    start CUDA on ``device``'s GPUs (:mod:`transformd.cuda_start`). ``progress`` is given back wrapped so that the
+    conversion's first update stops the reading."""
+    from ..cuda_start import start_cuda
     from ..readahead import ReadAhead, shard_files
 
     ahead = ReadAhead(shard_files(src))
+    start_cuda(device)
 
     def update(status: Any) -> None:
         ahead.stop()
@@ -163,7 +167,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     from ..progress import ConvertProgress, summary
 
     bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
-    with bar, _reading_ahead(args.src, bar.update) as update:
+    with bar, _while_starting(args.src, args.device, bar.update) as update:
         from ..checkpoint import convert_checkpoint  # torch: imported while the source is read ahead
 
         result = convert_checkpoint(
@@ -218,7 +222,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
         # also beside the hashing of a source new to the cache (cache.alongside): that one waits for the GIL, which
         # the import holds, between its reads, and then finds in the page cache what was read ahead
-        with bar, _reading_ahead(args.src, lambda status: bar.update(status.progress)) as update:
+        with bar, _while_starting(args.src, args.device, lambda status: bar.update(status.progress)) as update:
             entry = cache.get_or_convert(args.src, recipe, progress=update, identity=known)
     _print_outcome(_recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
