@@ -72,7 +72,7 @@ def child(way: str, path: str) -> dict[str, float]:
     elif way == "cuda-beside":
         from transformd.cuda_start import start_cuda
 
-        wait.append(start_cuda("cuda"))
+        wait.append(start_cuda("cuda", 1))
     import torch
 
     import transformd.checkpoint  # noqa: F401

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 
 from transformd import cuda_start
-from transformd.cuda_start import gpus_of, start_cuda
+from transformd.cuda_start import start_cuda
 
 
 class _FakeDriver:
@@ -26,8 +29,7 @@ class _FakeDriver:
         return 0
 
     def cuDeviceGet(self, dev, ordinal):  # noqa: N802
-        if ordinal >= self.devices:
-            return 101  # CUDA_ERROR_INVALID_DEVICE
+        assert ordinal < self.devices, "an ordinal the driver does not have"
         dev._obj.value = 1000 + ordinal
         return 0
 
@@ -38,7 +40,8 @@ class _FakeDriver:
 
 @pytest.fixture
 def driver(monkeypatch) -> list[_FakeDriver]:
-    """The fake driver each load of cuda_start.DRIVER gets (set ``driver[0]``; empty: no driver on this machine)."""
+    """The fake driver each load of cuda_start.DRIVER gets (set ``driver[0]``; empty: no driver on this machine),
+    with a torch built with CUDA."""
     loaded: list[_FakeDriver] = []
     real = ctypes.CDLL
 
@@ -50,33 +53,49 @@ def driver(monkeypatch) -> list[_FakeDriver]:
         return loaded[0]
 
     monkeypatch.setattr(ctypes, "CDLL", load)
+    monkeypatch.setattr(cuda_start, "_torch_has_cuda", lambda: True)
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     return loaded
 
 
-def test_the_gpus_of_a_device():
-    assert gpus_of("cpu") == [] and gpus_of("cuda:1") == [1] and gpus_of("cudax") == []
-    assert gpus_of("auto") is gpus_of("cuda") is gpus_of(None) is None  # every visible one: the driver counts them
+def _retained(driver: _FakeDriver) -> list[int]:
+    return [c[1] for c in driver.calls if c[0] == "retain"]
 
 
-@pytest.mark.parametrize(("device", "retained"), [("auto", [0, 1, 2]), ("cuda", [0, 1, 2]), ("cuda:1", [1])])
-def test_it_retains_the_primary_context_of_each_gpu_the_conversion_uses(driver, device, retained):
+@pytest.mark.parametrize(("device", "shards", "retained"),
+                         [("auto", 5, [0, 1, 2]), ("cuda", 3, [0, 1, 2]), ("auto", 2, [0, 1]), ("cuda", 1, [0])])
+def test_it_retains_the_primary_contexts_of_the_gpus_the_conversion_uses(driver, device, shards, retained):
+    """The conversion spreads its shards over GPUs 0, 1, ...: one per shard at the most."""
     driver.append(_FakeDriver(devices=3))
-    start_cuda(device).join(30)
+    start_cuda(device, shards).join(30)
     assert driver[0].calls[0] == ("cuInit", 0)
-    assert [c[1] for c in driver[0].calls if c[0] == "retain"] == retained
+    assert _retained(driver[0]) == retained
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"  # set before cuInit reads it, as torch does before its own
 
 
-def test_nothing_for_the_cpu(driver):
+def test_nothing_for_the_cpu_no_shards_or_a_torch_without_cuda(driver, monkeypatch):
     driver.append(_FakeDriver())
-    assert start_cuda("cpu") is None
+    assert start_cuda("cpu", 3) is None
+    assert start_cuda("auto", 0) is None
+    monkeypatch.setattr(cuda_start, "_torch_has_cuda", lambda: False)
+    assert start_cuda("auto", 3) is None
     assert driver[0].calls == []
 
 
 def test_no_driver_or_one_that_refuses_is_no_error(driver):
-    start_cuda("auto").join(30)  # no driver here: the thread ends quietly (torch reports CUDA's errors itself)
+    start_cuda("auto", 2).join(30)  # no driver here: the thread ends quietly (torch reports CUDA's errors itself)
     driver.append(_FakeDriver(init=100))  # CUDA_ERROR_NO_DEVICE
-    start_cuda("auto").join(30)
+    start_cuda("auto", 2).join(30)
     assert driver[0].calls == [("cuInit", 0)]
-    driver[0] = _FakeDriver(devices=1)
-    start_cuda("cuda:3").join(30)  # an ordinal the driver does not have
-    assert not [c for c in driver[0].calls if c[0] == "retain"]
+    driver[0] = _FakeDriver(devices=0)
+    start_cuda("cuda", 2).join(30)
+    assert not _retained(driver[0])
+
+
+def test_it_knows_a_cuda_build_of_torch_without_importing_it():
+    code = ("import sys\nfrom transformd.cuda_start import _torch_has_cuda\nfound = _torch_has_cuda()\n"
+            "assert 'torch' not in sys.modules\nimport torch\nprint(found, torch.version.cuda is not None)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found, built = done.stdout.split()
+    assert found == built

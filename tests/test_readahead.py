@@ -63,8 +63,10 @@ def _files(d: Path, sizes: dict[str, int]) -> list[Path]:
 
 def test_it_reads_the_files_in_order_up_to_its_budget(tmp_path, reads):
     files = _files(tmp_path / "src", {"b.safetensors": 2500, "a.safetensors": 1500, "c.safetensors": 3000})
+    fds = os.listdir("/proc/self/fd")
     ahead = ReadAhead([tmp_path / "missing", *files], budget=5000)  # one it cannot open is skipped
     ahead.join(30)
+    assert os.listdir("/proc/self/fd") == fds  # every file and /dev/null closed
     assert ahead.bytes_read == 5000
     assert reads == [("b.safetensors", 0, 1000), ("b.safetensors", 1000, 1000), ("b.safetensors", 2000, 500),
                      ("b.safetensors", 2500, 0), ("a.safetensors", 0, 1000), ("a.safetensors", 1000, 500),
@@ -81,11 +83,25 @@ def test_where_sendfile_is_refused_it_reads(tmp_path, reads, monkeypatch):
         raise OSError(errno.EINVAL, "sendfile is not supported here")
 
     monkeypatch.setattr(os, "sendfile", refuse)
+    fds = os.listdir("/proc/self/fd")
     ahead = ReadAhead(files, budget=3000)
     ahead.join(30)
     assert ahead.bytes_read == 3000 and refused == [0]  # asked once, then read
+    assert os.listdir("/proc/self/fd") == fds
     assert reads == [("b.safetensors", 0, 1000), ("b.safetensors", 1000, 1000), ("b.safetensors", 2000, 500),
                      ("b.safetensors", 2500, 0), ("a.safetensors", 0, 500)]
+
+
+def test_a_null_device_that_is_a_file_is_not_written(tmp_path, reads, monkeypatch):
+    """A sandbox whose /dev/null is a regular file: sendfile would fill it with the checkpoint."""
+    files = _files(tmp_path / "src", {"a.safetensors": 2500})
+    (tmp_path / "null").write_bytes(b"")
+    monkeypatch.setattr(os, "devnull", str(tmp_path / "null"))
+    fds = os.listdir("/proc/self/fd")
+    ahead = ReadAhead(files, budget=3000)
+    ahead.join(30)
+    assert ahead.bytes_read == 2500 and set(reads.how) == {"preadv"}
+    assert (tmp_path / "null").stat().st_size == 0 and os.listdir("/proc/self/fd") == fds
 
 
 def _resident(path: Path) -> int:
@@ -175,9 +191,9 @@ _PROBE = (
     "r.ReadAhead.__init__, r.ReadAhead.stop = started, stopped\n"
     "import transformd.cuda_start as c\n"
     "start_cuda = c.start_cuda\n"
-    "def cuda(device):\n"
+    "def cuda(device, shards):\n"
     "    print('cuda started for', device, 'torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
-    "    return start_cuda(device)\n"
+    "    return start_cuda(device, shards)\n"
     "c.start_cuda = cuda\n"
     "if '--hashed' in sys.argv:\n"  # every source new to the cache is hashed beside its conversion
     "    sys.argv.remove('--hashed')\n"

@@ -4,52 +4,54 @@ A cold ``transformd convert`` imports torch (4-5 s on the H200 machine) and then
 initialisation and a context on each GPU it converts on (0.3-0.4 s there). The driver needs no torch, and a call
 through :mod:`ctypes` releases the GIL, so a thread does the second while the first runs: it creates the GPUs'
 *primary* contexts, the ones torch (the CUDA runtime) takes when it starts, which then finds them made (its first
-allocation took 0.02 s instead of 0.31-0.38 s). Best effort: where there is no NVIDIA driver (a CPU machine,
-ROCm), or it refuses, nothing happens and torch starts CUDA itself, reporting any error. No torch here.
+allocation took 0.02 s instead of 0.30-0.38 s). Only the GPUs the conversion will use get one (a context holds
+GPU memory until the process ends). Best effort: where there is no NVIDIA driver (a CPU machine, ROCm), or it
+refuses, nothing happens and torch starts CUDA itself, reporting any error. No torch here.
 """
 
 from __future__ import annotations
 
 import ctypes
-import re
+import importlib.util
+import os
 import threading
+from pathlib import Path
 
 #: The driver library (libcuda, as the CUDA runtime loads it).
 DRIVER = "libcuda.so.1"
 
 
-def gpus_of(device: str | None) -> list[int] | None:
-    """The GPU ordinals a conversion on ``device`` uses: ``cuda:N`` that one; ``auto``, ``cuda`` (or None) every
-    visible one (None here: the driver counts them); [] for anything else (``cpu``)."""
-    if device in (None, "auto", "cuda"):
+def start_cuda(device: str, shards: int) -> threading.Thread | None:
+    """Create the primary contexts of the GPUs a conversion on ``device`` of ``shards`` shards uses, in a thread
+    (returned; None when there is nothing to start): for ``auto`` and ``cuda``, the visible GPUs 0, 1, ... (the
+    conversion spreads the shards over them in that order), one per shard at the most; none for ``cpu``, nor where
+    torch was built without CUDA. Never raises: the conversion meets any error of CUDA's itself."""
+    if device not in ("auto", "cuda") or shards < 1 or not _torch_has_cuda():
         return None
-    m = re.fullmatch(r"cuda:(\d+)", device)
-    return [int(m.group(1))] if m else []
-
-
-def start_cuda(device: str | None) -> threading.Thread | None:
-    """Create the primary contexts of the GPUs a conversion on ``device`` uses, in a thread (returned; None when
-    there is nothing to start). Never raises: the conversion meets any error of CUDA's itself."""
-    gpus = gpus_of(device)
-    if gpus == []:
-        return None
-    thread = threading.Thread(target=_retain_primary_contexts, args=(gpus,), name="transformd-cuda-start",
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")  # read by cuInit: as torch sets it before its own
+    thread = threading.Thread(target=_retain_primary_contexts, args=(shards,), name="transformd-cuda-start",
                               daemon=True)
     thread.start()
     return thread
 
 
-def _retain_primary_contexts(gpus: list[int] | None) -> None:
+def _torch_has_cuda() -> bool:
+    """Whether the torch this process would import is a CUDA build (its ``libtorch_cuda``), without importing it."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        return spec is not None and spec.origin is not None and any(
+            (Path(spec.origin).parent / "lib").glob("libtorch_cuda*"))
+    except (ImportError, ValueError, OSError):
+        return False
+
+
+def _retain_primary_contexts(most: int) -> None:
     try:
         cuda = ctypes.CDLL(DRIVER)
-        if cuda.cuInit(0) != 0:
+        count = ctypes.c_int(0)
+        if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
             return
-        if gpus is None:
-            count = ctypes.c_int(0)
-            if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-                return
-            gpus = list(range(count.value))
-        for ordinal in gpus:
+        for ordinal in range(min(most, count.value)):
             dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
             if cuda.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
                 return

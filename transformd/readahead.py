@@ -30,6 +30,8 @@ from pathlib import Path
 READ_AHEAD_BYTES = 8 << 30
 #: Bytes read by one system call (at the disk's ~1.6 GiB/s, 40 ms: what :meth:`ReadAhead.stop` may leave running).
 _SLICE_BYTES = 64 << 20
+#: Bytes read at once where ``sendfile`` cannot be used (into a buffer of this size).
+_FALLBACK_BYTES = 8 << 20
 #: An index larger than this is not read here (the conversion's plan reports it).
 _INDEX_MAX_BYTES = 64 << 20
 #: ioprio_set's system call number per machine (Python and glibc have no wrapper).
@@ -66,26 +68,33 @@ class ReadAhead:
         self._thread.start()
 
     def _run(self) -> None:
-        _idle_io()
-        with _Reader() as read:
-            for path in self._files:
-                fd = _open_regular(path)
-                if fd is None:
-                    continue
-                try:
-                    offset = 0
-                    while not self._stopped.is_set() and self.bytes_read < self._budget:
-                        n = read(fd, offset, min(_SLICE_BYTES, self._budget - self.bytes_read))
-                        if n <= 0:
-                            break
-                        offset += n
-                        self.bytes_read += n
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
-                if self._stopped.is_set() or self.bytes_read >= self._budget:
-                    return
+        try:
+            _idle_io()
+            with _Reader() as read:
+                for path in self._files:
+                    if not self._read_file(read, path):
+                        return
+        except Exception:  # noqa: BLE001, S110 - best effort (no memory for a buffer, say): the conversion reads
+            pass
+
+    def _read_file(self, read: _Reader, path: str) -> bool:
+        """Read ``path`` ahead (as much as the budget allows); whether to go on with the next file."""
+        fd = _open_regular(path)
+        if fd is None:
+            return True
+        try:
+            offset = 0
+            while not self._stopped.is_set() and self.bytes_read < self._budget:
+                n = read(fd, offset, min(_SLICE_BYTES, self._budget - self.bytes_read))
+                if n <= 0:
+                    break
+                offset += n
+                self.bytes_read += n
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        return not self._stopped.is_set() and self.bytes_read < self._budget
 
     def stop(self) -> None:
         """Stop after the slice being read (does not wait)."""
@@ -97,15 +106,11 @@ class ReadAhead:
 
 class _Reader:
     """``read(fd, offset, size)``: read that range of a file into the page cache; the bytes read (0 at its end).
-    By ``sendfile`` into ``/dev/null``; by ``preadv`` into a buffer once that fails (a file system or a kernel
-    that refuses it)."""
+    By ``sendfile`` into ``/dev/null``; by ``preadv`` into a buffer (:data:`_FALLBACK_BYTES` at a time) once that
+    fails (a file system or a kernel that refuses it), or where ``/dev/null`` is not the null device."""
 
     def __enter__(self) -> _Reader:
-        try:
-            self._null: int | None = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-        except OSError:
-            self._null = None
-        self._buf: memoryview | None = None
+        self._null, self._buf = _null_device(), None
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -119,9 +124,24 @@ class _Reader:
             except OSError:  # (a read error proper comes again from preadv)
                 os.close(self._null)
                 self._null = None
-        if self._buf is None or len(self._buf) < size:
-            self._buf = memoryview(bytearray(size))
-        return os.preadv(fd, [self._buf[:size]], offset)
+        if self._buf is None:
+            self._buf = memoryview(bytearray(_FALLBACK_BYTES))
+        return os.preadv(fd, [self._buf[: min(size, _FALLBACK_BYTES)]], offset)
+
+
+def _null_device() -> int | None:
+    """A write descriptor of ``/dev/null`` if it is a character device (a sandbox's regular file would fill up)."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISCHR(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def _idle_io() -> None:

@@ -131,13 +131,14 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
 def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None]
                     ) -> Iterator[Callable[[Any], None]]:
     """While torch is imported: read ``src``'s first shards into the page cache (:mod:`transformd.readahead`) and
-    start CUDA on ``device``'s GPUs (:mod:`transformd.cuda_start`). ``progress`` is given back wrapped so that the
-    conversion's first update stops the reading."""
+    start CUDA on the GPUs the conversion will use (:mod:`transformd.cuda_start`). ``progress`` is given back
+    wrapped so that the conversion's first update stops the reading."""
     from ..cuda_start import start_cuda
     from ..readahead import ReadAhead, shard_files
 
-    ahead = ReadAhead(shard_files(src))
-    start_cuda(device)
+    shards = shard_files(src)
+    ahead = ReadAhead(shards)
+    cuda = start_cuda(device, len(shards))
 
     def update(status: Any) -> None:
         ahead.stop()
@@ -147,6 +148,8 @@ def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None
         yield update
     finally:
         ahead.stop()
+        if cuda is not None:  # (done by now unless the conversion failed early: not left in the driver at exit)
+            cuda.join(10)
 
 
 # -------------------------------------------------------------------------------------------------------------------
