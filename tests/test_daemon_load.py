@@ -44,7 +44,10 @@ DURATION_S = 10.0
 MAX_CONCURRENT = 2
 MAX_QUEUED = 1
 #: Bounds asserted (2-core CI machine, real converter): probe latency while converting, daemon memory.
-P99_LIMIT_S = 0.25
+#: The latency bound is for a loop never blocked by a conversion (each takes 4-7 s here), not for the machine's
+#: speed: 0.25 s failed on a slow shared 2-core machine (p99 0.29-0.53 s, on the code before the change it was
+#: run for too, with every client doing only one resolve in 10 s where others did three).
+P99_LIMIT_S = 0.5
 RSS_LIMIT_BYTES = 1536 << 20
 RSS_GROWTH_LIMIT_BYTES = 768 << 20
 
