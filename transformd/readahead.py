@@ -23,7 +23,7 @@ import platform
 import stat
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 #: Bytes read ahead of a conversion at the most (:func:`read_ahead_bytes` lowers it on a small machine).
@@ -131,17 +131,7 @@ class _Reader:
 
 def _null_device() -> int | None:
     """A write descriptor of ``/dev/null`` if it is a character device (a sandbox's regular file would fill up)."""
-    try:
-        fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if stat.S_ISCHR(os.fstat(fd).st_mode):
-            return fd
-    except OSError:
-        pass
-    os.close(fd)
-    return None
+    return _open_of_kind(os.devnull, os.O_WRONLY | os.O_CLOEXEC, stat.S_ISCHR)
 
 
 def _idle_io() -> None:
@@ -161,12 +151,18 @@ def _idle_io() -> None:
 def _open_regular(path: str | os.PathLike[str]) -> int | None:
     """A read descriptor of ``path`` if it is a regular file, else None (a FIFO or a device is never waited on:
     the conversion refuses them, with their names)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # as securefs.OPEN_FLAGS
+    return _open_of_kind(path, flags, stat.S_ISREG)
+
+
+def _open_of_kind(path: str | os.PathLike[str], flags: int, is_kind: Callable[[int], bool]) -> int | None:
+    """A descriptor of ``path`` opened with ``flags`` if ``is_kind`` of its mode (a ``stat.S_IS*``), else None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)  # as securefs.OPEN_FLAGS
+        fd = os.open(path, flags)
     except OSError:
         return None
     try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
+        if is_kind(os.fstat(fd).st_mode):
             return fd
     except OSError:
         pass
