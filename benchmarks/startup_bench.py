@@ -103,15 +103,6 @@ def _started(target) -> threading.Thread:
     return thread
 
 
-def drop(path: str) -> None:
-    os.sync()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--file", default="/tmp/transformd-startup.bin", help="the file read ahead (written if missing)")
@@ -128,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.file, "wb") as f:
             for _ in range(int(args.gib * 16)):
                 f.write(os.urandom(64 << 20))
+    from convert_bench import drop_from_page_cache  # (not in a child: it would be imported before the start-up)
+
     ways = args.ways.split(",") + (CUDA_WAYS if args.cuda else [])
     rows: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     for r in range(args.rounds):
         for way in ways:
-            drop(args.file)
+            drop_from_page_cache(Path(args.file))
             out = subprocess.run([sys.executable, __file__, "--file", args.file, "--child", way], capture_output=True,
                                  text=True, env=env, check=False)
             if out.returncode:
