@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -149,6 +150,18 @@ def test_deterministic_for_a_seed(tmp_path: Path, sample: Path):
     for fname in (SHARD_1, SHARD_2):
         assert (other / fname).read_bytes() != (sample / fname).read_bytes()
     assert (other / "config.json").read_bytes() == (sample / "config.json").read_bytes()
+
+
+def test_same_bytes_whatever_the_threads(tmp_path: Path, sample: Path, monkeypatch):
+    """The tensors are made by a thread per CPU: one thread or eight write the same files, and torch's own thread
+    count (set to 1 meanwhile) is restored."""
+    threads = torch.get_num_threads()
+    for cpus in (1, 8):
+        monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+        again = write_sample_checkpoint(tmp_path / f"cpus{cpus}")
+        for p in sample.iterdir():
+            assert (again / p.name).read_bytes() == p.read_bytes(), (cpus, p.name)
+        assert torch.get_num_threads() == threads
 
 
 def test_weight_scale_inv_suffix(tmp_path: Path):

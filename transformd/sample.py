@@ -27,15 +27,21 @@ unchanged" path is exercised.
 Values are drawn like real weights (normal, log-normal per-row spread, a few
 outliers, rounded to BF16) and quantized the way MX quantizers do
 (:func:`mx_quantize`). Everything is deterministic for a seed: each tensor has
-its own generator seeded from ``seed`` and its name.
+its own generator seeded from ``seed`` and its name, so the tensors are made in
+parallel (a thread per CPU; the benchmarks' 16 GiB samples are CPU-bound) and
+the files hold the same bytes whatever the order.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -136,27 +142,24 @@ def write_sample_checkpoint(
 
     dims = _Dims(hidden, moe_intermediate, head_dim, kv_heads, vocab, experts)
     make = _Maker(seed, scale_suffix)
-    embeddings = {
-        "model.embed_tokens.weight": make.bf16("model.embed_tokens.weight", (vocab, hidden)),
-        "model.norm.weight": make.norm("model.norm.weight", hidden),
-        "lm_head.weight": make.bf16("lm_head.weight", (vocab, hidden)),
-    }
-    if shards == 1:
-        for layer in range(layers):
-            embeddings.update(_layer_tensors(make, dims, layer, fused_experts))
-        save_file(embeddings, str(path / "model.safetensors"), metadata=_ST_METADATA)
-    else:
-        # Shard 1: BF16 only. Layers go, in contiguous runs, to shards 2..N; each shard is
-        # written as soon as it is complete, so memory holds one shard at a time.
-        writer = _ShardWriter(path, shards)
-        writer.write(embeddings)
-        for shard in range(shards - 1):
-            run = [layer for layer in range(layers) if layer * (shards - 1) // layers == shard]
-            tensors: dict[str, torch.Tensor] = {}
-            for layer in run:
-                tensors.update(_layer_tensors(make, dims, layer, fused_experts))
-            writer.write(tensors)
-        writer.write_index()
+    embeddings = [
+        partial(make.named, make.bf16, "model.embed_tokens.weight", (vocab, hidden)),
+        partial(make.named, make.norm, "model.norm.weight", hidden),
+        partial(make.named, make.bf16, "lm_head.weight", (vocab, hidden)),
+    ]
+    with _in_parallel() as made:
+        if shards == 1:
+            parts = embeddings + [part for n in range(layers) for part in _layer_parts(make, dims, n, fused_experts)]
+            save_file(made(parts), str(path / "model.safetensors"), metadata=_ST_METADATA)
+        else:
+            # Shard 1: BF16 only. Layers go, in contiguous runs, to shards 2..N; each shard is
+            # written as soon as it is complete, so memory holds one shard at a time.
+            writer = _ShardWriter(path, shards)
+            writer.write(made(embeddings))
+            for shard in range(shards - 1):
+                run = [layer for layer in range(layers) if layer * (shards - 1) // layers == shard]
+                writer.write(made(part for layer in run for part in _layer_parts(make, dims, layer, fused_experts)))
+            writer.write_index()
 
     config = _model_config(dims, layers)
     _write_json(path / "config.json", config)
@@ -190,6 +193,10 @@ class _Maker:
     def _gen(self, name: str) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
 
+    @staticmethod
+    def named(make: Callable[..., torch.Tensor], name: str, *args) -> dict[str, torch.Tensor]:
+        return {name: make(name, *args)}
+
     def bf16(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return sample_weight(shape, self._gen(name)).to(torch.bfloat16)
 
@@ -210,27 +217,51 @@ class _Maker:
         return {f"{module}.weight": codes.view(torch.float8_e4m3fn), f"{module}.{self.scale_suffix}": scales}
 
 
-def _layer_tensors(make: _Maker, d: _Dims, layer: int, fused: bool) -> Iterator[tuple[str, torch.Tensor]]:
+Part = Callable[[], dict[str, torch.Tensor]]
+
+
+def _layer_parts(make: _Maker, d: _Dims, layer: int, fused: bool) -> Iterator[Part]:
+    """The layer's tensors, as calls that make one or two of them each (in any order, on any thread)."""
     p = f"model.layers.{layer}"
-    yield f"{p}.input_layernorm.weight", make.norm(f"{p}.input_layernorm.weight", d.hidden)
-    yield f"{p}.post_attention_layernorm.weight", make.norm(f"{p}.post_attention_layernorm.weight", d.hidden)
-    yield f"{p}.self_attn.q_norm.weight", make.norm(f"{p}.self_attn.q_norm.weight", d.head_dim)
-    yield f"{p}.self_attn.k_norm.weight", make.norm(f"{p}.self_attn.k_norm.weight", d.head_dim)
+    for norm, n in (("input_layernorm", d.hidden), ("post_attention_layernorm", d.hidden),
+                    ("self_attn.q_norm", d.head_dim), ("self_attn.k_norm", d.head_dim)):
+        yield partial(make.named, make.norm, f"{p}.{norm}.weight", n)
     kv = d.kv_heads * d.head_dim
     for proj, shape in (("q", (d.heads * d.head_dim, d.hidden)), ("k", (kv, d.hidden)), ("v", (kv, d.hidden))):
-        yield from make.mxfp8(f"{p}.self_attn.{proj}_proj", shape).items()
-    yield from make.mxfp8(f"{p}.self_attn.o_proj", (d.hidden, d.heads * d.head_dim)).items()
+        yield partial(make.mxfp8, f"{p}.self_attn.{proj}_proj", shape)
+    yield partial(make.mxfp8, f"{p}.self_attn.o_proj", (d.hidden, d.heads * d.head_dim))
     # ModelOpt's FP8 KV-cache scales: float32 scalars, not weight scales.
-    yield f"{p}.self_attn.k_proj.k_scale", torch.tensor(1.0)
-    yield f"{p}.self_attn.v_proj.v_scale", torch.tensor(1.0)
-    yield f"{p}.mlp.gate.weight", make.bf16(f"{p}.mlp.gate.weight", (d.experts, d.hidden))
+    yield partial(dict, {f"{p}.self_attn.{x}_proj.{x}_scale": torch.tensor(1.0) for x in "kv"})
+    yield partial(make.named, make.bf16, f"{p}.mlp.gate.weight", (d.experts, d.hidden))
     if fused:
-        yield from make.mxfp8(f"{p}.mlp.experts.gate_up_proj", (d.experts, 2 * d.inter, d.hidden)).items()
-        yield from make.mxfp8(f"{p}.mlp.experts.down_proj", (d.experts, d.hidden, d.inter)).items()
+        yield partial(make.mxfp8, f"{p}.mlp.experts.gate_up_proj", (d.experts, 2 * d.inter, d.hidden))
+        yield partial(make.mxfp8, f"{p}.mlp.experts.down_proj", (d.experts, d.hidden, d.inter))
         return
     for e in range(d.experts):
         for proj, shape in (("gate", (d.inter, d.hidden)), ("up", (d.inter, d.hidden)), ("down", (d.hidden, d.inter))):
-            yield from make.mxfp8(f"{p}.mlp.experts.{e}.{proj}_proj", shape).items()
+            yield partial(make.mxfp8, f"{p}.mlp.experts.{e}.{proj}_proj", shape)
+
+
+@contextmanager
+def _in_parallel() -> Iterator[Callable[[Iterable[Part]], dict[str, torch.Tensor]]]:
+    """``made(parts)``: every part's tensors, in the parts' order, made by a thread per CPU.
+
+    Each thread runs torch single-threaded meanwhile (one operation at a time per CPU, not a team of threads per
+    operation per thread); the setting is restored after.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="sample") as pool:
+            def made(parts: Iterable[Part]) -> dict[str, torch.Tensor]:
+                tensors: dict[str, torch.Tensor] = {}
+                for part in pool.map(lambda make_part: make_part(), parts):
+                    tensors.update(part)
+                return tensors
+
+            yield made
+    finally:
+        torch.set_num_threads(threads)
 
 
 class _ShardWriter:
