@@ -165,7 +165,8 @@ def _tile_portable(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pi
     """Portable tile program: integer decoding and rounding, identical on every back-end.
 
     ``q_ptr``, ``s_ptr``, ``out_ptr``: the first byte of one [N, K] matrix (codes, E8M0 scales, output codes);
-    ``scale_ptr``, ``status_ptr``: where this tile's scale and status word go; (pid_n, pid_k): the tile.
+    ``scale_ptr``, ``status_ptr``: the matrix's tile scales and status words (row-major, a row of tiles per 128
+    rows); (pid_n, pid_k): the tile.
     """
     KB = K // BLOCK_
     NB: tl.constexpr = TILE_ // BLOCK_
@@ -187,6 +188,9 @@ def _tile_portable(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pi
 
     q8 = tl.load(q_ptr + q_off, mask=qmask, other=0)  # uint8 [TILE, TILE]
     s = tl.load(s_ptr + s_off, mask=smask, other=127).to(tl.int32)  # [TILE, NB]
+    tile = pid_n * tl.cdiv(K, TILE_) + pid_k
+    scale_ptr += tile
+    status_ptr += tile
     mag = (q8 & 0x7F).to(tl.int32)
     sign = q8 & 0x80
 
@@ -284,22 +288,14 @@ def _ptx_word_max(w):
 
 
 @triton.jit
-def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_):
-    """NVIDIA tile program (sm_89+): :func:`_tile_portable` on 32-bit words of four codes.
-
-    The same arguments; ``q_ptr`` and ``out_ptr`` must be 16-byte aligned (whole words, vector loads).
-    """
+def _load_words(q_ptr, s_ptr, N, K, pid_n, pid_k, TILE_, BLOCK_):
+    """Tile (pid_n, pid_k) of a [N, K] weight as 32-bit words of four codes [TILE, TILE / 4] and its E8M0 scales
+    [TILE, NB], with the words' offsets and mask within its row band and the band's first word."""
     KB = K // BLOCK_
     KW = K // 4
     NB: tl.constexpr = TILE_ // BLOCK_
-    WB: tl.constexpr = BLOCK_ // 4
     TW: tl.constexpr = TILE_ // 4
-
     row0 = (pid_n * TILE_).to(tl.int64)
-    q_ptr = q_ptr.to(tl.pointer_type(tl.int32)) + row0 * KW
-    out_ptr = out_ptr.to(tl.pointer_type(tl.int32)) + row0 * KW
-    s_ptr += row0 * KB
-
     rows = tl.arange(0, TILE_)
     blks = pid_k * NB + tl.arange(0, NB)
     words = pid_k * TW + tl.arange(0, TW)
@@ -308,9 +304,27 @@ def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, 
     wmask = in_rows & (words[None, :] < KW)  # whole blocks: K is a multiple of 32
     w_off = rows[:, None] * KW + words[None, :]
     s_off = rows[:, None] * KB + blks[None, :]
+    w = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + row0 * KW + w_off, mask=wmask, other=0)  # int32 [TILE, TW]
+    s = tl.load(s_ptr + row0 * KB + s_off, mask=smask, other=127).to(tl.int32)  # [TILE, NB]
+    return w, s, w_off, wmask, row0 * KW
 
-    w = tl.load(q_ptr + w_off, mask=wmask, other=0)  # int32 [TILE, TW]
-    s = tl.load(s_ptr + s_off, mask=smask, other=127).to(tl.int32)  # [TILE, NB]
+
+@triton.jit
+def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_):
+    """NVIDIA tile program (sm_89+): :func:`_tile_portable` on 32-bit words of four codes.
+
+    The same arguments; ``q_ptr`` and ``out_ptr`` must be 16-byte aligned (whole words, vector loads). The order
+    matters to the compiler: with the output addresses formed for the stores and the tile's scale and status addresses
+    after its loads, the grouped launch issues all its loads first and needs 48 registers in exact mode, not 60;
+    it ran 6-8 points nearer a device copy on the H200 (triton 3.6,
+    benchmarks/results/kernel_registers_experiment_h200.txt).
+    """
+    NB: tl.constexpr = TILE_ // BLOCK_
+    WB: tl.constexpr = BLOCK_ // 4
+    w, s, w_off, wmask, band = _load_words(q_ptr, s_ptr, N, K, pid_n, pid_k, TILE_, BLOCK_)
+    tile = pid_n * tl.cdiv(K, TILE_) + pid_k
+    scale_ptr += tile
+    status_ptr += tile
 
     bmax16 = tl.max(tl.reshape(_ptx_word_max(w), [TILE_, NB, WB]), axis=2)  # f16 bits of each block's largest magnitude
     block_scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
@@ -336,9 +350,22 @@ def _tile_ptx(q_ptr, s_ptr, out_ptr, scale_ptr, status_ptr, N, K, pid_n, pid_k, 
             o = tl.inline_asm_elementwise(asm_mul, "=r,r,f", [w, rb], dtype=tl.int32, is_pure=True, pack=1)
     if FNUZ:
         scale = scale * 2.0
-    tl.store(out_ptr + w_off, o, mask=wmask)
+    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + band + w_off, o, mask=wmask)
     tl.store(scale_ptr, scale)
     tl.store(status_ptr, status)
+
+
+#: Registers per thread of the ptx tile program in amax mode at 8 warps (``maxnreg``): at 48, five programs share an
+#: SM's 64K registers, where triton 3.6 gives it 64 (four). It does not spill at 48 (tests/test_portability.py), and
+#: on the H200 (triton 3.6) the packed launches ran 1-5 points nearer a device copy, the one launch 2-7
+#: (benchmarks/results/kernel_registers_experiment_h200.txt). Exact mode is left uncapped: 48 registers with triton
+#: 3.6, but 80 with triton 3.9, whose code spills at 48. Neither is capped at 4 warps, where a thread holds twice as
+#: much of the tile (the cap halved the speed there), and the portable program never is.
+PTX_MAXNREG = 48
+
+
+def _maxnreg(ptx: bool, num_warps: int, scale_mode: ScaleMode) -> int | None:
+    return PTX_MAXNREG if ptx and num_warps == 8 and scale_mode is ScaleMode.AMAX else None
 
 
 # N is never specialised: Triton compiles an int argument equal to 1 as a constant, and the ptx tile program
@@ -364,15 +391,15 @@ def _mx_to_block_fp8_kernel(
     pid_n = tl.program_id(1)
     pid_e = tl.program_id(2).to(tl.int64)
     mat = pid_e * N  # the expert's first row
-    tile = (pid_e * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_k
+    tiles = pid_e * tl.num_programs(1) * tl.num_programs(0)  # and first tile
     if PTX:
         _tile_ptx(
-            q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tile, status_ptr + tile,
+            q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tiles, status_ptr + tiles,
             N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
         )
     else:
         _tile_portable(
-            q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tile, status_ptr + tile,
+            q_ptr + mat * K, s_ptr + mat * (K // BLOCK_), out_ptr + mat * K, out_scale_ptr + tiles, status_ptr + tiles,
             N, K, pid_n, pid_k, EXACT, FNUZ, TILE_, BLOCK_,
         )
 
@@ -413,9 +440,8 @@ def _mx_to_block_fp8_grouped_kernel(
     q_off = tl.load(row + 0)
     s_off = tl.load(row + 1)
     out_off = tl.load(row + 2)
-    tile = pid_n * tl.num_programs(0) + pid_k
-    scale_ptr = out_scale_ptr + tl.load(row + 3) + tile
-    status = status_ptr + tl.load(row + 4) + tile
+    scale_ptr = out_scale_ptr + tl.load(row + 3)
+    status = status_ptr + tl.load(row + 4)
     if PTX:
         q_off = tl.multiple_of(q_off, 16)
         out_off = tl.multiple_of(out_off, 16)
@@ -511,6 +537,7 @@ def convert_triton(
             TILE_=TILE,
             BLOCK_=MX_BLOCK,
             num_warps=num_warps or 8,
+            maxnreg=_maxnreg(kernel == "ptx", num_warps or 8, scale_mode),
             enable_fp_fusion=False,  # keep each float operation's own IEEE rounding
         )
         if check and bool(status.any()):
@@ -588,6 +615,7 @@ def _launch_group(
     kernel = kernel or default_kernel(device)
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    ptx = kernel == "ptx" and aligned
     status = torch.empty(tiles, dtype=torch.int32, device=device)
     for (n, k), weights in shapes.items():
         nt, kt = -(-n // TILE), -(-k // TILE)
@@ -617,10 +645,11 @@ def _launch_group(
                 status,
                 EXACT=scale_mode is ScaleMode.EXACT,
                 FNUZ=target is Target.FNUZ,
-                PTX=kernel == "ptx" and aligned,
+                PTX=ptx,
                 TILE_=TILE,
                 BLOCK_=MX_BLOCK,
                 num_warps=num_warps or 8,  # measured best on the H200 for both modes (kernel_bench_h200.txt)
+                maxnreg=_maxnreg(ptx, num_warps or 8, scale_mode),
                 enable_fp_fusion=False,  # keep each float operation's own IEEE rounding
             )
     return status, firsts
