@@ -353,7 +353,8 @@ def serving(args: argparse.Namespace, root: Path, src: Path, package: str | None
         deadline = time.monotonic() + 120
         while subprocess.run(health, env=env, cwd=package or REPO, capture_output=True).returncode != 0:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not start; see {root / 'daemon.log'}")
+                tail = (root / "daemon.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the daemon did not start; the end of {root / 'daemon.log'}:\n{tail}")
             time.sleep(0.2)
         yield sock, cache
     finally:
