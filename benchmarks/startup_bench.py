@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.file, "wb") as f:
             for _ in range(int(args.gib * 16)):
                 f.write(os.urandom(64 << 20))
-    from convert_bench import drop_from_page_cache  # (not in a child: it would be imported before the start-up)
+    from convert_bench import byte_compile, drop_from_page_cache  # (not in a child: imported before its start-up)
+
+    byte_compile(REPO)
 
     ways = args.ways.split(",") + (CUDA_WAYS if args.cuda else [])
     rows: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
