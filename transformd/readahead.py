@@ -5,7 +5,8 @@ cannot write before that. The disk would idle meanwhile, so the source's first s
 then (:class:`ReadAhead`), and the conversion finds them there. It stops when the conversion starts (from then on
 its reads would take the disk from the conversion's writes) and after :func:`read_ahead_bytes` at the most (what is
 read ahead must stay in the page cache until the conversion reads it). The hashing beside a conversion reads ahead
-of it afterwards (:class:`transformd.cache.alongside.Hasher`, paced by the same bound). No torch here.
+of it afterwards (:class:`transformd.cache.alongside.Hasher`, by a smaller lead and the same memory bound). No
+torch here.
 
 The reading must not wait for the GIL, which the import holds nearly all the time: a thread that takes it back
 after every 8 MiB ``preadv`` read 2.8-3.4 GiB during 3.5-4.2 s start-ups on the H200 machine, about half the
@@ -26,8 +27,10 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-#: Bytes read ahead of a conversion at the most (:func:`read_ahead_bytes` lowers it on a small machine).
-READ_AHEAD_BYTES = 8 << 30
+#: Bytes read ahead of a conversion at the most (:func:`read_ahead_bytes` lowers it to an eighth of the memory). In
+#: practice the start-up's length bounds it: a cold start-up of 9-10 s on the H200 machine, whose disk reads ~1.4 GB/s
+#: at the idle class, read the 8 GiB that were the bound before in 6.5 s and left the disk idle for the rest.
+READ_AHEAD_BYTES = 32 << 30
 #: Bytes read by one system call (at the disk's ~1.6 GiB/s, 40 ms: what :meth:`ReadAhead.stop` may leave running).
 _SLICE_BYTES = 64 << 20
 #: Bytes read at once where ``sendfile`` cannot be used (into a buffer of this size).
@@ -43,7 +46,7 @@ def memory_limit() -> int:
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        return 8 * READ_AHEAD_BYTES
+        return 64 << 30  # (unknown: taken for 64 GiB, 8 GiB ahead at the most)
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
     except OSError:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..readahead import READ_AHEAD_BYTES, read_ahead_bytes
+from ..readahead import read_ahead_bytes
 from .keys import (
     HashingCancelled,
     Recipe,
@@ -192,8 +192,10 @@ class AlongsideMixin:
     #: Bytes to hash from which a conversion runs beside the hashing instead of after it.
     hash_alongside_min_bytes: int = 256 << 20
     #: How far the hashing beside a conversion reads ahead of it at the most (:class:`Hasher`; lowered on a small
-    #: machine by :func:`transformd.readahead.read_ahead_bytes`).
-    hash_lead_bytes: int = READ_AHEAD_BYTES
+    #: machine by :func:`transformd.readahead.read_ahead_bytes`). Less than the start-up's read-ahead
+    #: (:data:`transformd.readahead.READ_AHEAD_BYTES`), which stops when the conversion starts: the hashing goes on
+    #: reading beside the conversion's writes, and each byte it reads too early takes the disk from them.
+    hash_lead_bytes: int = 8 << 30
 
     def hashes_alongside(self, tree: SourceTree, known: SourceIdentity | None = None) -> bool:
         """Whether a request for ``tree`` that expects no key converts it while hashing it: it has at least
