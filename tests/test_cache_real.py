@@ -74,11 +74,12 @@ def test_the_converter_gets_ready_while_an_unseen_source_is_hashed(tmp_path, mon
     events: list[str] = []
     real_hash = keys.hash_file
     monkeypatch.setattr(keys, "hash_file", lambda p, *a: events.append("hash") or real_hash(p, *a))
-    monkeypatch.setattr(TransformdConverter, "prepare", lambda self: events.append("prepare"))
+    monkeypatch.setattr(TransformdConverter, "prepare", lambda self, recipe: events.append(("prepare", recipe)))
     cache = Cache(tmp_path / "cache", budget_bytes="1G", device="cpu")
     cache.hash_alongside_min_bytes = 0
     assert cache.get_or_convert(src, Recipe(target="ocp")).outcome == "converted"
-    assert events[0] == "prepare" and events.count("prepare") == 1 and "hash" in events[1:], events
+    assert events[0] == ("prepare", Recipe(target="ocp")) and events.count(events[0]) == 1, events
+    assert "hash" in events[1:], events
     events.clear()
     assert cache.get_or_convert(src, Recipe(target="ocp")).outcome == "hit"
     assert cache.get_or_convert(src, Recipe(target="fnuz")).outcome == "converted"
@@ -86,15 +87,16 @@ def test_the_converter_gets_ready_while_an_unseen_source_is_hashed(tmp_path, mon
 
 
 def test_the_warm_up_thread_imports_the_conversion_once(monkeypatch):
-    """``prepare`` starts one background thread per process, whatever the number of converters; a conversion
-    joins it before importing anything itself (no two threads import the same modules at once)."""
+    """``prepare`` starts one background thread per process, whatever the number of converters, for the first
+    recipe asked; a conversion joins it before importing anything itself (no two threads import the same modules
+    at once)."""
     import transformd.cache.converter as converter_module
 
     started = []
     monkeypatch.setattr(converter_module, "_warming", None)
-    monkeypatch.setattr(converter_module, "_warm_up", lambda device: started.append(device))
+    monkeypatch.setattr(converter_module, "_warm_up", lambda device, recipe: started.append((device, recipe)))
     a, b = converter_module.TransformdConverter("cpu"), converter_module.TransformdConverter("cpu")
-    a.prepare()
-    b.prepare()
+    a.prepare(Recipe(target="ocp"))
+    b.prepare(Recipe(target="fnuz"))
     converter_module._warming.join()
-    assert started == ["cpu"]
+    assert started == [("cpu", Recipe(target="ocp"))]

@@ -25,7 +25,7 @@ import torch
 from transformd.checkpoint import convert as checkpoint_convert
 from transformd.checkpoint import pieces, pipeline
 from transformd.checkpoint import CheckpointError, Progress, convert_checkpoint, plan_conversion
-from transformd.formats import MxFormatError, Target
+from transformd.formats import MxFormatError, ScaleMode, Target
 from transformd.reference import convert_reference
 from transformd.safetensors_io import SafetensorsWriter, read_header, read_tensor
 from transformd.sample import write_sample_checkpoint
@@ -163,6 +163,48 @@ def test_batches_of_many_small_weights_byte_identical(tmp_path: Path, monkeypatc
     convert_checkpoint(src, tmp_path / "tight", device="cpu", host_memory_bytes=96 * 1024)
     assert_same_shards(tmp_path / "expected", tmp_path / "tight")
     assert sum(batches) >= weights and max(batches) > 1, batches  # (pieces: some weights cut in rows)
+
+
+def test_the_kernel_warm_up_is_for_gpus_only_and_never_raises(monkeypatch) -> None:
+    """``warm_up`` loads the converters' kernel on each GPU before the first batch comes (the GPU suite checks that
+    a conversion after it compiles and loads nothing new). It launches nothing for the CPU and starts no thread
+    without a GPU; its errors (here: no CUDA, or a failing launch) are left to the conversion, which meets and
+    reports them: it neither raises nor keeps the converters' first-launch lock."""
+    launched: list[bool] = []
+
+    def failing(*args, **kwargs):
+        launched.append(pieces.KernelConverter._first_launch.locked())
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(pieces, "convert_packed", failing)
+    pieces.warm_up([torch.device("cpu")], Target.FNUZ, ScaleMode.EXACT)
+    assert launched == []
+    assert pieces.start_warm_up([torch.device("cpu")], Target.FNUZ, ScaleMode.EXACT) is None
+    pieces.warm_up([torch.device("cuda", 0)], Target.OCP, ScaleMode.AMAX)
+    assert launched == ([True] if torch.cuda.is_available() else [])
+    assert not pieces.KernelConverter._first_launch.locked()
+
+
+def test_convert_checkpoint_warms_the_recipes_kernel_and_waits_for_it(tmp_path: Path, monkeypatch) -> None:
+    """The warm-up starts before the plan, with the conversion's devices and recipe, and has ended when
+    ``convert_checkpoint`` returns, also when it raises (its buffers are given back with the conversion's)."""
+    src = sample(tmp_path / "src")
+    started: list[tuple] = []
+    threads: list[threading.Thread] = []
+
+    def start(devices, target, scale_mode):
+        started.append((devices, target, scale_mode, (tmp_path / "out").exists()))
+        threads.append(threading.Thread(target=time.sleep, args=(0.3,)))
+        threads[-1].start()
+        return threads[-1]
+
+    monkeypatch.setattr(checkpoint_convert, "start_warm_up", start)
+    convert_checkpoint(src, tmp_path / "out", target="ocp", scale_mode="amax", device="cpu")
+    assert started == [([torch.device("cpu")], Target.OCP, ScaleMode.AMAX, False)]
+    assert not threads[-1].is_alive()
+    with pytest.raises(CheckpointError):
+        convert_checkpoint(src, tmp_path / "out", device="cpu")  # not empty
+    assert len(threads) == 2 and not threads[-1].is_alive()
 
 
 def test_several_devices_byte_identical(tmp_path: Path, monkeypatch) -> None:

@@ -235,6 +235,39 @@ def run(dry_run: bool) -> dict:
     for name, make in LAYOUTS.items():  # fused HF-v5 stacks, Quark per_block scales, F8_E8M0 scales, ...
         tally.check(f"convert_checkpoint of the {name} layout on the device == on the CPU", lambda m=make: checkpoint(m))
 
+    def warm_up_loads_what_converts() -> None:  # in a fresh process: after the warm-up a conversion adds no variant
+        if dry_run:
+            return  # (the interpreter compiles nothing)
+        code = """if True:
+            import tempfile
+            from pathlib import Path
+            import torch
+            from transformd.checkpoint import convert_checkpoint
+            from transformd.checkpoint.pieces import warm_up
+            from transformd.formats import ScaleMode, Target
+            from transformd.kernels import _mx_to_block_fp8_grouped_kernel as kernel
+            from transformd.sample import write_sample_checkpoint
+
+            def variants():
+                return sorted(str(key) for caches in kernel.device_caches.values() for key in caches[0])
+
+            with tempfile.TemporaryDirectory(prefix="td-gpu-") as tmp:
+                src = write_sample_checkpoint(Path(tmp) / "src", layers=2, experts=8)
+                for target, mode in (("fnuz", "exact"), ("ocp", "amax")):
+                    before = variants()
+                    warm_up([torch.device("cuda", 0)], Target(target), ScaleMode(mode))
+                    warmed = variants()
+                    assert len(warmed) == len(before) + 1, (target, mode, before, warmed)
+                    convert_checkpoint(src, Path(tmp) / f"{target}-{mode}", target=target, scale_mode=mode,
+                                       device="cuda:0")
+                    assert variants() == warmed, (target, mode, warmed, variants())
+                    assert torch.cuda.memory_reserved(0) == 0, torch.cuda.memory_reserved(0)
+        """
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    tally.check("kernel warm-up: a conversion after it compiles and loads nothing new", warm_up_loads_what_converts)
+
     def platform_probe() -> None:  # the torch-free probe --target auto uses says what torch says
         from transformd.platform import detect_platform
 

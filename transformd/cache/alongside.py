@@ -245,7 +245,7 @@ class AlongsideMixin:
         converter = converter or self.converter
         prepare = getattr(converter, "prepare", None)
         if prepare is not None:  # the imports and the GPU's start-up overlap the first reads
-            prepare()
+            prepare(recipe)
         slot = provisional_key(tree, recipe)
         lock = FileLock(self.locks_dir / f"{slot}.lock")
         self._ensure_layout()

@@ -21,9 +21,9 @@ class Converter(Protocol):
     value (e.g. a ConversionResult) is summarised into the manifest's ``result``. It raises on
     invalid input; the cache removes everything it wrote.
 
-    A converter may also have a ``prepare()`` method: the cache calls it before it starts hashing a source it
-    converts while hashing (:mod:`.alongside`), so that a slow start-up (imports, a GPU context) overlaps the
-    first reads.
+    A converter may also have a ``prepare(recipe)`` method: the cache calls it before it starts hashing a source it
+    converts while hashing (:mod:`.alongside`), so that a slow start-up (imports, a GPU context, loading the
+    recipe's kernel) overlaps the first reads.
     """
 
     def __call__(self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None]) -> Any: ...
@@ -34,16 +34,15 @@ _warming: threading.Thread | None = None
 _warming_lock = threading.Lock()
 
 
-def _warm_up(device: str) -> None:
-    """Import torch, triton and the pipeline, and initialise CUDA for a GPU device (seconds of a cold process)."""
+def _warm_up(device: str, recipe: Recipe) -> None:
+    """Import torch, triton and the pipeline, initialise CUDA and load ``recipe``'s kernel on each GPU the
+    conversion will use (seconds of a cold process)."""
     try:
-        from ..checkpoint import convert  # noqa: F401 - torch, the pipeline, the kernels (triton)
-        from ..convert import resolve_device
+        from ..checkpoint import convert, conversion_devices  # noqa: F401 - torch, the pipeline, the kernels
+        from ..checkpoint.pieces import warm_up
+        from ..formats import ScaleMode, Target
 
-        if resolve_device(device).type == "cuda":
-            import torch
-
-            torch.cuda.init()
+        warm_up(conversion_devices(device), Target(recipe.target), ScaleMode(recipe.scale_mode))
     except Exception:  # noqa: BLE001, S110 - the conversion itself meets the same error and reports it
         pass
 
@@ -54,16 +53,18 @@ class TransformdConverter:
     def __init__(self, device: str = "auto"):
         self.device = device
 
-    def prepare(self) -> None:
-        """Start importing what the conversion needs in a background thread (once per process).
+    def prepare(self, recipe: Recipe) -> None:
+        """Start importing what the conversion needs in a background thread (once per process), and loading the
+        kernel of ``recipe`` (the first recipe's: others load theirs when they first convert).
 
         The cache calls this before it hashes a source it converts alongside the hashing: the hashing releases
-        the GIL, so the seconds of ``import torch`` and CUDA's start-up pass while the source is read, not after.
+        the GIL, so the seconds of ``import torch``, CUDA's start-up and the kernel's load pass while the source is
+        read, not after.
         """
         global _warming
         with _warming_lock:
             if _warming is None:
-                _warming = threading.Thread(target=_warm_up, args=(self.device,), name="transformd-warm-up",
+                _warming = threading.Thread(target=_warm_up, args=(self.device, recipe), name="transformd-warm-up",
                                             daemon=True)
                 _warming.start()
 

@@ -7,11 +7,12 @@ beside ``--out`` (:mod:`transformd._durable`), the cache through its own ``stagi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,9 @@ from .pipeline import (
     ShardOrder,
     conversion_devices,
     convert_shards,
+    release_cached_memory,
 )
+from .pieces import start_warm_up
 from .plan import ConversionPlan, check_engine, output_bytes, plan_conversion, plan_readiness
 
 __all__ = ["ConversionResult", "OutputError", "convert_checkpoint", "write_checkpoint"]
@@ -108,38 +111,52 @@ def convert_checkpoint(
     target = Target(target)
     src, out = Path(src), Path(out)
     devices = conversion_devices(device)
-    _durable.remove_leftovers(out)
-    _check_out(src, out, overwrite)
-    plan = plan_conversion(src, select=select)
-    report = plan_readiness(plan, target)
-    check_engine(report, engine, src)
-    needed = output_bytes(plan, target)
-    _check_free_space(out, needed)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging, staging_lock = _durable.make_staging(out)
-    except OSError as err:
-        wrapped = _output_error(err, src, out, needed, None)
-        if wrapped is None:
+    with _kernel_warm_up(devices, target, ScaleMode(scale_mode)):  # (while the plan is made)
+        _durable.remove_leftovers(out)
+        _check_out(src, out, overwrite)
+        plan = plan_conversion(src, select=select)
+        report = plan_readiness(plan, target)
+        check_engine(report, engine, src)
+        needed = output_bytes(plan, target)
+        _check_free_space(out, needed)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging, staging_lock = _durable.make_staging(out)
+        except OSError as err:
+            wrapped = _output_error(err, src, out, needed, None)
+            if wrapped is None:
+                raise
+            raise wrapped from err
+        try:
+            result = write_checkpoint(
+                plan, staging, target=target, scale_mode=scale_mode, devices=devices, progress=progress,
+                chunk_bytes=chunk_bytes, host_memory_bytes=host_memory_bytes, shard_order=shard_order, readiness=report,
+            )
+            _durable.fsync_dirs(staging)
+            _durable.publish(staging, out, overwrite)
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            wrapped = _output_error(exc, src, out, needed, staging) if isinstance(exc, OSError) else None
+            if wrapped is not None:
+                raise wrapped from exc
             raise
-        raise wrapped from err
+        finally:
+            os.close(staging_lock)
+        result.out = out
+        return result
+
+
+@contextlib.contextmanager
+def _kernel_warm_up(devices: list[torch.device], target: Target, scale_mode: ScaleMode) -> Iterator[None]:
+    """The kernel loaded on a thread while the body runs (:func:`.pieces.warm_up`); joined at the end and its
+    buffers given back (done long before, unless the conversion launched nothing: then they would stay cached)."""
+    warming = start_warm_up(devices, target, scale_mode)
     try:
-        result = write_checkpoint(
-            plan, staging, target=target, scale_mode=scale_mode, devices=devices, progress=progress,
-            chunk_bytes=chunk_bytes, host_memory_bytes=host_memory_bytes, shard_order=shard_order, readiness=report,
-        )
-        _durable.fsync_dirs(staging)
-        _durable.publish(staging, out, overwrite)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        wrapped = _output_error(exc, src, out, needed, staging) if isinstance(exc, OSError) else None
-        if wrapped is not None:
-            raise wrapped from exc
-        raise
+        yield
     finally:
-        os.close(staging_lock)
-    result.out = out
-    return result
+        if warming is not None:
+            warming.join()
+            release_cached_memory(devices)
 
 
 def write_checkpoint(

@@ -125,10 +125,6 @@ class Run:
             )
 
 
-
-
-
-
 def convert_shards(run: Run, devices: list[torch.device]) -> None:
     """Write every output shard into the staging directory: a lane per device, the shards spread over them."""
     for shard in run.plan.shards:
@@ -148,10 +144,7 @@ def convert_shards(run: Run, devices: list[torch.device]) -> None:
     finally:
         for lane in lanes:
             lane.close()
-        _release_cached_memory(devices)
-
-
-
+        release_cached_memory(devices)
 
 
 def conversion_devices(device: str | torch.device | None) -> list[torch.device]:
@@ -180,7 +173,7 @@ def _assign_shards(shards: Sequence[ShardPlan], lanes: int) -> list[list[ShardPl
     return [[shards[i] for i in sorted(p)] for p in picked]
 
 
-def _release_cached_memory(devices: list[torch.device]) -> None:
+def release_cached_memory(devices: list[torch.device]) -> None:
     """Give PyTorch's cached GPU memory and pinned host memory back, so that an idle process holds none."""
     if any(d.type == "cuda" for d in devices) and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

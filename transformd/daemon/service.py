@@ -361,7 +361,7 @@ class ConversionService:
             self._prune()
             prepare = getattr(self.converter, "prepare", None)
             if prepare is not None:  # torch's import and the GPU's start-up overlap the check and the hashing
-                prepare()
+                prepare(recipe)
             job = Job(key, source, recipe)
             job.uid = uid
             job.identity = identity
