@@ -1,0 +1,193 @@
+"""Where a whole conversion's time goes: the disk second by second, and the process's phases.
+
+Runs ``cp -r SRC DST && sync``, ``transformd convert SRC --out D`` and ``transformd convert SRC --cache-dir C``
+one after the other on convert_bench.py's sample, each after the page cache was dropped, and prints for each the
+read and write throughput and the utilisation of the disk under ``--dir`` (``/proc/diskstats``) per second, and
+for the conversions the moments (seconds from the process's start) at which torch was imported, the plan made, the
+first batches converted, the first bytes written and the start-up read-ahead stopped (with how far it had read).
+
+    python3 benchmarks/disk_timeline.py --gib 16 --dir /tmp/wp --device cuda [--rounds 1] [--cold-source-only]
+
+A diagnostic, Linux only: the phases come from wrapping a few of the package's functions inside the child
+process (``--child``), which costs nothing measurable but is not what users run; the whole-process times to
+compare are convert_bench.py --whole-process's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import convert_bench as cb
+
+GiB = 1 << 30
+
+
+class DiskMonitor:
+    """Samples ``/proc/diskstats`` of one disk every 0.1 s on a thread until :meth:`stop`."""
+
+    def __init__(self, disk: str):
+        self.disk, self._stop = disk, threading.Event()
+        self.samples = [self._sample()]
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> tuple[float, int, int, int]:
+        """(time, bytes read, bytes written, milliseconds the disk was busy) so far."""
+        with open("/proc/diskstats") as f:
+            for line in f:
+                fields = line.split()
+                if fields[2] == self.disk:
+                    return time.monotonic(), int(fields[5]) * 512, int(fields[9]) * 512, int(fields[12])
+        raise RuntimeError(f"{self.disk} is not in /proc/diskstats")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self.samples.append(self._sample())
+
+    def stop(self) -> list[str]:
+        """The summary line and one line per second."""
+        self._stop.set()
+        self._thread.join()
+        s = [*self.samples, self._sample()]
+        t0, lines, at = s[0][0], [], 0
+        for second in range(int(s[-1][0] - t0) + 1):
+            end = next((i for i in range(at, len(s)) if s[i][0] - t0 >= second + 1), len(s) - 1)
+            (ta, ra, wa, ba), (tb, rb, wb, bb) = s[at], s[end]
+            if tb > ta:
+                lines.append(f"  {second:4d} s  read {(rb - ra) / (tb - ta) / 1e6:6.0f} MB/s  write "
+                             f"{(wb - wa) / (tb - ta) / 1e6:6.0f} MB/s  busy {(bb - ba) / 10 / (tb - ta):4.0f}%")
+            at = end
+        total = s[-1][0] - t0
+        return [f"  {total:.2f} s: read {(s[-1][1] - s[0][1]) / GiB:.2f} GiB, written {(s[-1][2] - s[0][2]) / GiB:.2f} "
+                f"GiB, disk busy {(s[-1][3] - s[0][3]) / 10 / total:.0f}% of the time", *lines]
+
+
+def disk_of(path: Path) -> str:
+    """The block device name (as in /proc/diskstats) of the file system holding ``path``."""
+    st = os.stat(path)
+    uevent = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/uevent").read_text()
+    return next(line.split("=", 1)[1] for line in uevent.splitlines() if line.startswith("DEVNAME="))
+
+
+def child(t0: float, argv: list[str]) -> None:
+    """Run ``transformd ARGV`` in this process with its phases on standard error (``@ seconds what``)."""
+
+    def log(what: str) -> None:
+        print(f"@ {time.time() - t0:7.3f} {what}", file=sys.stderr, flush=True)
+
+    seen: set[str] = set()
+
+    def once(key: str, what: str) -> None:
+        if key not in seen:
+            seen.add(key)
+            log(what)
+
+    def before(owner: object, name: str, say: Callable[..., None]) -> None:
+        """Call ``say(*args)`` before each call of ``owner.name``."""
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            say(*args)
+            return real(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    log("python started")
+    import transformd.checkpoint as package  # (torch-free: its names load on first use)
+    import transformd.readahead as readahead
+
+    before(readahead.ReadAhead, "stop",
+           lambda ahead: once("ahead", f"read-ahead stopped, {ahead.bytes_read / GiB:.2f} GiB read"))
+
+    def wrap_pipeline() -> None:  # once torch is imported
+        from transformd import safetensors_io
+        from transformd.checkpoint import convert, pieces
+
+        before(convert, "plan_conversion", lambda *a: log("plan started"))
+        before(convert, "write_checkpoint", lambda *a: log("plan made, writing starts"))
+        batches = [0]
+
+        def launched(*args) -> None:
+            batches[0] += 1
+            if batches[0] <= 2:
+                log(f"batch {batches[0]} handed to the kernel")
+
+        before(pieces.KernelConverter, "__call__", launched)
+        before(safetensors_io.SafetensorsWriter, "write", lambda *a: once("write", "first converted bytes written"))
+        before(safetensors_io.SafetensorsWriter, "copy_from", lambda *a: once("copy", "first tensor copied"))
+
+    lazy = package.__getattr__
+
+    def loaded(name: str) -> object:
+        value = lazy(name)
+        if "torch" not in seen:
+            once("torch", f"torch and the pipeline imported (for {name})")
+            wrap_pipeline()
+        return value
+
+    package.__getattr__ = loaded
+    import atexit
+    import runpy
+
+    atexit.register(log, "exit")
+    sys.argv = ["transformd", *argv]
+    runpy.run_module("transformd", run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gib", type=float, default=4.0, help="sample size (default 4)")
+    p.add_argument("--dir", required=True, help="work directory (the sample is kept there and reused)")
+    p.add_argument("--device", default="auto", help="--device of the conversions (default auto)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--cold-source-only", action="store_true",
+                   help="drop only the source from the page cache (default: all of it, as root)")
+    args = p.parse_args(argv)
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    sample = cb.write_sample(root / "src", int(args.gib * GiB), fused=False, reuse=True)
+    cb.byte_compile(cb.REPO)
+    src, disk = Path(sample["path"]), disk_of(root)
+    print(f"sample: {sample['bytes'] / GiB:.2f} GiB in {sample['shards']} shards; disk {disk}", flush=True)
+    convert = [sys.executable, __file__, "--child", "convert", str(src), "--device", args.device]
+
+    def run(cmd: list[str]) -> list[str]:
+        env = {**cb._child_env(), "TRANSFORMD_TIMELINE_T0": repr(time.time())}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cb.REPO, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return [f"  {line}" for line in proc.stderr.splitlines() if line.startswith("@") or " in " in line]
+
+    def copy() -> list[str]:
+        cb.copy_and_sync(src, root / "copy")
+        return []
+
+    steps = [("cp -r SRC DST && sync", copy, root / "copy"),
+             ("convert SRC --out D", lambda: run([*convert, "--out", str(root / "out")]), root / "out"),
+             ("convert SRC --cache-dir C (cold)", lambda: run([*convert, "--cache-dir", str(root / "cache")]),
+              root / "cache")]
+    for r in range(args.rounds):
+        for name, step, output in steps:
+            cb.remove(output)
+            cb.drop_caches(src, only=args.cold_source_only)
+            monitor, started = DiskMonitor(disk), time.monotonic()
+            phases = step()
+            seconds = time.monotonic() - started
+            summary, *per_second = monitor.stop()
+            print(f"== round {r + 1}, {name}: {seconds:.2f} s", summary, *phases, *per_second, sep="\n", flush=True)
+            cb.remove(output)  # (the disk holds the sample and one output at a time)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(float(os.environ["TRANSFORMD_TIMELINE_T0"]), sys.argv[2:])
+    else:
+        sys.exit(main())
