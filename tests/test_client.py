@@ -145,6 +145,20 @@ def test_queue_full_is_retried_until_timeout(world, client):
     daemon.busy = 0
 
 
+def test_queue_full_is_not_retried_without_time_for_the_answer(world, client):
+    """A daemon that answers 503 slowly: the client does not send a last retry that cannot be answered in the time
+    left (it would time out and report "still identifying" instead of the full queue). The old rule, retry whenever
+    Retry-After fits, sends one at 0.27 s with 0.03 s left for a 0.04 s answer."""
+    daemon = world["daemon"]
+    daemon.busy, daemon.busy_answer_s = 1000, 0.04
+    try:
+        with pytest.raises(ServerError) as info:
+            client.resolve(world["models"] / "busy", timeout=0.3)
+    finally:
+        daemon.busy, daemon.busy_answer_s = 0, 0.0
+    assert info.value.status == 503 and info.value.code == "queue_full"
+
+
 def test_slow_post_is_not_cut_by_the_request_timeout(world):
     """Identifying a large source takes the daemon a while: the POST is waited for beyond ``timeout``."""
     with TransformdClient(socket=world["socket"], timeout=0.2) as c:

@@ -60,29 +60,10 @@ if TYPE_CHECKING:
     import httpx
 
 __all__ = [
-    "DEFAULT_RECONNECT_S",
-    "DEFAULT_SOCKET",
-    "ENV_SOCKET",
-    "ENV_TOKEN_FILE",
-    "BadRequestError",
-    "CacheFullError",
-    "CheckpointStatus",
-    "ConflictError",
-    "ConversionFailedError",
-    "DaemonUnavailableError",
-    "NotAllowedError",
-    "InvalidCheckpointError",
-    "LeaseInfo",
-    "NotFoundError",
-    "Progress",
-    "ResolveTimeoutError",
-    "ServerError",
-    "ShardFile",
-    "TensorEntry",
-    "TransformdClient",
-    "TransformdError",
-    "UnauthorizedError",
-    "default_socket_path",
+    "DEFAULT_RECONNECT_S", "DEFAULT_SOCKET", "ENV_SOCKET", "ENV_TOKEN_FILE", "BadRequestError", "CacheFullError",
+    "CheckpointStatus", "ConflictError", "ConversionFailedError", "DaemonUnavailableError", "NotAllowedError",
+    "InvalidCheckpointError", "LeaseInfo", "NotFoundError", "Progress", "ResolveTimeoutError", "ServerError",
+    "ShardFile", "TensorEntry", "TransformdClient", "TransformdError", "UnauthorizedError", "default_socket_path",
     "error_for_status",
 ]
 
@@ -558,9 +539,10 @@ class TransformdClient:
         deadline: float | None, revision: str | None = None,
     ) -> CheckpointStatus:
         """:meth:`submit`, retried while the daemon answers 503 (its conversion queue is full) until ``deadline``."""
-        delay = 1.0
+        delay, answer_s = 1.0, 0.0
         while True:
-            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            sent = time.monotonic()
+            left = None if deadline is None else max(0.001, deadline - sent)
             try:
                 return self.submit(
                     source, target=target, scale_mode=scale_mode, select=select, wait_s=left, engine=engine,
@@ -577,7 +559,9 @@ class TransformdClient:
                 if err.status != 503:
                     raise
                 wait = err.retry_after if err.retry_after is not None else delay
-                if deadline is not None and time.monotonic() + wait > deadline:
+                # Retry only with room for its answer: one sent with ms left would time out as "identifying".
+                answer_s = max(answer_s, time.monotonic() - sent)
+                if deadline is not None and time.monotonic() + wait + max(0.05, 4 * answer_s) > deadline:
                     raise
                 time.sleep(max(0.0, wait))
                 delay = min(delay * 2, 10.0)

@@ -9,7 +9,7 @@ and its ``/files`` table is built from the converted files' headers, as the real
 * ``boom``: the POST answers 500;
 * ``slow``: never gets past ``converting``;
 * ``hashing``: the POST takes 0.8 s to answer (identifying a large source);
-* ``busy``: 503 (queue full, ``Retry-After``) while ``busy`` > 0.
+* ``busy``: 503 (queue full, ``Retry-After``) while ``busy`` > 0, each answered after ``busy_answer_s``.
 
 Sources must lie under ``allowed_root`` (403 ``source_not_allowed`` otherwise, after resolving symlinks) and exist
 (404 ``source_not_found``). tests/test_client_contract.py runs the same contract tests against this fake and the
@@ -67,6 +67,7 @@ class FakeDaemon:
         self.conversions = 0
         self.posts = 0
         self.busy = 0  # answers 503 to this many POSTs for a source named "busy"
+        self.busy_answer_s = 0.0  # ... each after this many seconds (a loaded daemon)
         self.health: dict[str, Any] = {"status": "ok", "version": "0.1.0", "problems": []}
         self.health_status = 200  # transformd answers 503 with the same body when degraded
         self.lock = threading.Lock()
@@ -109,6 +110,7 @@ class FakeDaemon:
                 await asyncio.sleep(0.8)  # a large source seen for the first time: the daemon reads it to key it
             if src.name == "busy" and daemon.busy > 0:
                 daemon.busy -= 1
+                await asyncio.sleep(daemon.busy_answer_s)
                 response = error(503, "queue_full", "too many conversions queued; retry later")
                 response.headers["Retry-After"] = "0.05"
                 return response
