@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,20 @@ def pytest_configure(config):
 
     if not config.pluginmanager.is_registered(faultlog):
         config.pluginmanager.register(faultlog, "transformd-faultlog")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """schemathesis' items (tests/test_daemon_fuzz.py, one per API operation) share one node id under pytest 9, the
+    operation being only in their names; pytest-xdist tells items apart by node id and would run one of them. Their
+    operation goes into the id."""
+    ids = Counter(item.nodeid for item in items)
+    for item in items:
+        label = getattr(item, "operation_label", None)
+        if label and ids[item.nodeid] > 1:
+            item._id = item._id.with_params(label)
+    same = sorted(n for n, count in Counter(item.nodeid for item in items).items() if count > 1)
+    if same:  # pytest-xdist would run one of each, silently
+        raise pytest.UsageError(f"tests collected under the same node id: {', '.join(same)}")
 
 
 @pytest.fixture(autouse=True)

@@ -539,7 +539,7 @@ class TransformdClient:
         deadline: float | None, revision: str | None = None,
     ) -> CheckpointStatus:
         """:meth:`submit`, retried while the daemon answers 503 (its conversion queue is full) until ``deadline``."""
-        delay, answer_s = 1.0, 0.0
+        delay = 1.0
         while True:
             sent = time.monotonic()
             left = None if deadline is None else max(0.001, deadline - sent)
@@ -559,9 +559,10 @@ class TransformdClient:
                 if err.status != 503:
                     raise
                 wait = err.retry_after if err.retry_after is not None else delay
-                # Retry only with room for its answer: one sent with ms left would time out as "identifying".
-                answer_s = max(answer_s, time.monotonic() - sent)
-                if deadline is not None and time.monotonic() + wait + max(0.05, 4 * answer_s) > deadline:
+                # Retry only with room for its answer (4x this one's, 50 ms to 5 s: a 503 after a long identification
+                # is followed by quick ones): one sent with ms left would time out and report "identifying".
+                room = min(max(0.05, 4 * (time.monotonic() - sent)), 5.0)
+                if deadline is not None and time.monotonic() + wait + room > deadline:
                     raise
                 time.sleep(max(0.0, wait))
                 delay = min(delay * 2, 10.0)

@@ -89,9 +89,12 @@ class FaultLog:
                 r.passed = False
 
     def rows(self) -> list[tuple[str, str, int, str, bool, list[str]]]:
-        """(category, fault, attempts, outcome, all passed, tests), merged by (category, fault), sorted by category."""
+        """(category, fault, attempts, outcome, all passed, tests), merged by (category, fault), sorted by category
+        (in the order the test files, then each file's tests, first recorded them: the same under pytest-xdist, whose
+        workers hand their rows over in any order)."""
+        records = sorted(self.records, key=lambda r: r.test.split("::", 1)[0])  # (stable: a file's own order kept)
         merged: dict[tuple[str, str], list] = {}
-        for r in self.records:
+        for r in records:
             row = merged.setdefault((r.category, r.fault), [0, {}, True, []])
             row[0] += r.attempts
             row[1][r.outcome] = row[1].get(r.outcome, 0) + r.attempts
@@ -99,7 +102,7 @@ class FaultLog:
             short = r.test.split("::", 1)[0].rsplit("/", 1)[-1]
             if short not in row[3]:
                 row[3].append(short)
-        order = {c: i for i, c in enumerate(dict.fromkeys(r.category for r in self.records))}
+        order = {c: i for i, c in enumerate(dict.fromkeys(r.category for r in records))}
         out = []
         for c, f in sorted(merged, key=lambda k: order[k[0]]):
             attempts, outcomes, ok, tests = merged[(c, f)]
