@@ -428,7 +428,8 @@ class TransformdClient:
 
         Should the daemon forget the key while we wait (it restarted), the request is posted again;
         while it answers 503 (too many conversions queued) the request is retried (``Retry-After``,
-        else a growing delay) until ``timeout``.
+        else a growing delay) until ``timeout``: while an answer still fits in the time left, then that 503
+        is raised (a :class:`ServerError`).
 
         A daemon that goes away while we wait (killed, restarted, upgraded) is waited for: once the
         first request was answered, the daemon may stay unreachable for up to ``reconnect_s``
