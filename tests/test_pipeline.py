@@ -186,8 +186,9 @@ def test_the_kernel_warm_up_is_for_gpus_only_and_never_raises(monkeypatch) -> No
 
 
 def test_convert_checkpoint_warms_the_recipes_kernel_and_waits_for_it(tmp_path: Path, monkeypatch) -> None:
-    """The warm-up starts before the plan, with the conversion's devices and recipe, and has ended when
-    ``convert_checkpoint`` returns, also when it raises (its buffers are given back with the conversion's)."""
+    """The warm-up starts before the plan (after the output's checks: a refused output waits for no kernel), with the
+    conversion's devices and recipe, and has ended when ``convert_checkpoint`` returns, also when it raises (its
+    buffers are given back with the conversion's)."""
     src = sample(tmp_path / "src")
     started: list[tuple] = []
     threads: list[threading.Thread] = []
@@ -202,8 +203,12 @@ def test_convert_checkpoint_warms_the_recipes_kernel_and_waits_for_it(tmp_path: 
     convert_checkpoint(src, tmp_path / "out", target="ocp", scale_mode="amax", device="cpu")
     assert started == [([torch.device("cpu")], Target.OCP, ScaleMode.AMAX, False)]
     assert not threads[-1].is_alive()
-    with pytest.raises(CheckpointError):
-        convert_checkpoint(src, tmp_path / "out", device="cpu")  # not empty
+    with pytest.raises(CheckpointError, match="not empty"):
+        convert_checkpoint(src, tmp_path / "out", device="cpu")
+    assert len(started) == 1, "no warm-up for an output refused at once"
+    (src / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        convert_checkpoint(src, tmp_path / "out2", device="cpu")  # refused by the plan, while the kernel loads
     assert len(threads) == 2 and not threads[-1].is_alive()
 
 
