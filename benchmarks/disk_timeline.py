@@ -1,12 +1,14 @@
 """Where a whole conversion's time goes: the disk second by second, and the process's phases.
 
-Runs ``cp -r SRC DST && sync``, ``transformd convert SRC --out D`` and ``transformd convert SRC --cache-dir C``
-one after the other on convert_bench.py's sample, each after the page cache was dropped, and prints for each the
-read and write throughput and the utilisation of the disk under ``--dir`` (``/proc/diskstats``) per second, and
-for the conversions the moments (seconds from the process's start) at which torch was imported, the plan made, the
+Runs ``cp -r SRC DST && sync``, ``transformd convert SRC --out D``, ``transformd convert SRC --cache-dir C`` and
+(``--daemon``) a daemon's first ``transformd resolve SRC`` one after the other on convert_bench.py's sample, each
+after the page cache was dropped, and prints for each the read and write throughput and the utilisation of the disk
+under ``--dir`` (``/proc/diskstats``) per second, and for the conversions the moments (seconds from the process's
+start; for the daemon from its start, which the step includes) at which torch was imported, the plan made, the
 first batches converted, the first bytes written and the start-up read-ahead stopped (with how far it had read).
 
     python3 benchmarks/disk_timeline.py --gib 16 --dir /tmp/wp --device cuda [--rounds 1] [--cold-source-only]
+        [--daemon] [--skip REGEX]
 
 A diagnostic, Linux only: the phases come from wrapping a few of the package's functions inside the child
 process (``--child``), which costs nothing measurable but is not what users run; the whole-process times to
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--cold-source-only", action="store_true",
                    help="drop only the source from the page cache (default: all of it, as root)")
+    p.add_argument("--daemon", action="store_true", help="also a daemon's start and first resolve")
+    p.add_argument("--skip", metavar="REGEX", help="leave out the steps whose name matches")
     args = p.parse_args(argv)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -169,10 +174,40 @@ def main(argv: list[str] | None = None) -> int:
         cb.copy_and_sync(src, root / "copy")
         return []
 
+    def daemon() -> list[str]:
+        """A daemon started (its phases logged) and its first resolve of the sample, to ready."""
+        sock, log, t0 = root / "td.sock", root / "daemon-timeline.log", time.time()
+        env = {**cb._child_env(), "TRANSFORMD_TIMELINE_T0": repr(t0)}
+        serve = [sys.executable, __file__, "--child", "serve", "--socket", str(sock), "--cache-dir",
+                 str(root / "cache-daemon"), "--allow-root", str(src.parent), "--device", args.device.split(":")[0],
+                 "--log-level", "warning"]
+        client = [sys.executable, "-m", "transformd"]
+        with open(log, "w") as f:
+            proc = subprocess.Popen(serve, env=env, cwd=cb.REPO, stdout=f, stderr=f)
+        try:
+            while subprocess.run([*client, "health", "--socket", str(sock), "-q"], env=env, cwd=cb.REPO,
+                                 capture_output=True).returncode:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the daemon did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+            asked = time.time() - t0
+            subprocess.run([*client, "resolve", str(src), "--socket", str(sock), "--poll-interval", "0.05"], env=env,
+                           cwd=cb.REPO, capture_output=True, check=True)
+            ready = time.time() - t0
+        finally:
+            proc.terminate()
+            proc.wait(120)
+        phases = [f"@ {asked:7.3f} resolve asked (the daemon up)", f"@ {ready:7.3f} ready ({ready - asked:.2f} s)",
+                  *(line for line in log.read_text().splitlines() if line.startswith("@"))]
+        return [f"  {line}" for line in sorted(phases, key=lambda line: float(line.split()[1]))]
+
     steps = [("cp -r SRC DST && sync", copy, root / "copy"),
              ("convert SRC --out D", lambda: run([*convert, "--out", str(root / "out")]), root / "out"),
              ("convert SRC --cache-dir C (cold)", lambda: run([*convert, "--cache-dir", str(root / "cache")]),
               root / "cache")]
+    if args.daemon:
+        steps.append(("daemon: started, then its first resolve (cold)", daemon, root / "cache-daemon"))
+    steps = [step for step in steps if not (args.skip and re.search(args.skip, step[0]))]
     for r in range(args.rounds):
         for name, step, output in steps:
             cb.remove(output)

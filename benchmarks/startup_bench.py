@@ -41,10 +41,10 @@ def child(way: str, path: str) -> dict[str, float]:
     wait: list = []  # what to wait for once the start-up is over
     t0 = time.perf_counter()
     if way.startswith("preadv"):
-        from transformd.readahead import _idle_io
+        from transformd.readahead import set_idle_io
 
         def read(slice_bytes: int = int(way[6:]) << 20) -> None:
-            _idle_io()
+            set_idle_io()
             buf, off = memoryview(bytearray(slice_bytes)), 0
             while (n := os.preadv(fd, [buf], off)) > 0:
                 off += n

@@ -6,8 +6,10 @@ checkpoints do from 256 MiB on).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -262,22 +264,23 @@ def test_the_key_is_locked_before_the_stat_cache_tells_other_processes_the_key(t
 class _PacedCopy:
     """Copies the source's files into ``out`` 4 KiB at a time, reporting ``bytes_done`` after each block (a
     conversion whose pace the hashing beside it must keep to). ``report`` false: it reports nothing, and starts once
-    the hashing has read 16 KiB (and 50 ms more, in which an unpaced hashing would read on). ``fail_after``: raise
-    after reporting that many bytes."""
+    the hashing has read 16 KiB (and 50 ms more, in which an unpaced hashing would read on); so does ``late``, which
+    does report. ``fail_after``: raise after reporting that many bytes."""
 
-    def __init__(self, events: list, lock: threading.Lock, report: bool = True, fail_after: int | None = None):
-        self.events, self.lock, self.report, self.fail_after = events, lock, report, fail_after
+    def __init__(self, events: list, lock: threading.Lock, report: bool = True, fail_after: int | None = None,
+                 late: bool = False):
+        self.events, self.lock, self.report, self.fail_after, self.late = events, lock, report, fail_after, late
 
     def _hashed(self, n: int) -> None:
         """Wait until the hashing has read ``n`` bytes, and 50 ms more (in which an unpaced one would read on)."""
         for _ in range(1000):
-            if ("read", n) in self.events:
+            if any(e[:2] == ("read", n) for e in self.events):
                 break
             threading.Event().wait(0.01)
         threading.Event().wait(0.05)
 
     def __call__(self, src, out, recipe, progress):
-        if not self.report:
+        if self.late or not self.report:
             self._hashed(16 << 10)
         out.mkdir()
         done = 0
@@ -383,3 +386,58 @@ def test_a_failed_conversion_stops_a_hashing_that_waits_on_its_pace(tmp_path, ha
     assert max(n for kind, n in events if kind == "read") == 4096 + (16 << 10)
     assert not any(t.name.startswith("transformd-hash") for t in threading.enumerate()), "the hashing was joined"
     assert os.listdir(cache.entries_dir) == [] and os.listdir(cache.staging_dir) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"),
+                    reason="ioprio_get's number is known for x86_64 and aarch64")
+def test_the_hashing_reads_at_the_idle_io_class_until_the_conversion_starts(tmp_path, monkeypatch):
+    """While the conversion starts (a cold process imports torch meanwhile) the hashing's reads wait in the idle I/O
+    class, so that the imports' reads go first, and a read-ahead that takes no GIL reads the source beside it; from
+    the conversion's first progress update on, the read-ahead has stopped and the hashing reads at the normal class
+    (the conversion's reads would otherwise wait for it). The read-ahead is joined before the source is closed."""
+    from transformd.cache import alongside
+
+    get = {"x86_64": 252, "aarch64": 31}[os.uname().machine]
+    events: list = []
+    lock = threading.Lock()
+    real, total = os.preadv, [0]
+
+    def preadv(fd, buffers, offset, *args):
+        io_class = ctypes.CDLL(None).syscall(get, 1, threading.get_native_id()) >> 13
+        n = real(fd, buffers, offset, *args)
+        if threading.current_thread().name.startswith("transformd-hash") and "/src/" in os.readlink(
+                f"/proc/self/fd/{fd}"):
+            with lock:
+                total[0] += n
+                events.append(("read", total[0], io_class))
+        return n
+
+    aheads: list = []
+
+    class Ahead(alongside.ReadAhead):
+        def __init__(self, files):
+            super().__init__(files)
+            aheads.append(self)
+
+        def stop(self):
+            with lock:
+                events.append(("read-ahead stopped",))
+            super().stop()
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(keys, "HASH_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(alongside, "ReadAhead", Ahead)
+    src = _paced_source(tmp_path / "src")
+    cache = _cache(tmp_path / "cache", _PacedCopy(events, lock, late=True))
+    cache.hash_lead_bytes = 16 << 10
+    entry = cache.get_or_convert(src, Recipe(target="ocp"))
+    seen = list(events)  # (the independent keying below reads too)
+    assert entry.key == Cache(tmp_path / "other", budget_bytes="1G").key_for(src, Recipe(target="ocp"))
+    first = next(i for i, e in enumerate(seen) if e[0] == "done")
+    before, after = seen[:first], seen[first + 1:]
+    assert [e[2] for e in before] == [3] * 4, "16 KiB (the lead) read at the idle class before the conversion began"
+    assert after[0] == ("read-ahead stopped",), "stopped by the conversion's first update"
+    reads = [e for e in after if e[0] == "read"]
+    assert len(reads) == 3 * 16 - 4 and 3 not in {e[2] for e in reads}, "the rest at the normal class"
+    assert len(aheads) == 1 and aheads[0].bytes_read == 3 * (64 << 10), "the source read ahead through the tree"
+    assert not any(t.name == "transformd-read-ahead" for t in threading.enumerate())

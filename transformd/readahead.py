@@ -4,9 +4,9 @@ A cold ``transformd convert`` spends its first seconds importing torch and start
 cannot write before that. The disk would idle meanwhile, so the source's first shards are read into the page cache
 then (:class:`ReadAhead`), and the conversion finds them there. It stops when the conversion starts (from then on
 its reads would take the disk from the conversion's writes) and after :func:`read_ahead_bytes` at the most (what is
-read ahead must stay in the page cache until the conversion reads it). The hashing beside a conversion reads ahead
-of it afterwards (:class:`transformd.cache.alongside.Hasher`, by a smaller lead and the same memory bound). No
-torch here.
+read ahead must stay in the page cache until the conversion reads it). The hashing beside a conversion of a source
+new to the cache (:class:`transformd.cache.alongside.Hasher`) starts one of its own for the same time, and reads
+ahead of the conversion afterwards (by a smaller lead and the same memory bound). No torch here.
 
 The reading must not wait for the GIL, which the import holds nearly all the time: a thread that takes it back
 after every 8 MiB ``preadv`` read 2.8-3.4 GiB during 3.5-4.2 s start-ups on the H200 machine, about half the
@@ -72,7 +72,7 @@ class ReadAhead:
 
     def _run(self) -> None:
         try:
-            _idle_io()
+            set_idle_io()
             with _Reader() as read:
                 for path in self._files:
                     if not self._read_file(read, path):
@@ -137,16 +137,16 @@ def _null_device() -> int | None:
     return _open_of_kind(os.devnull, os.O_WRONLY | os.O_CLOEXEC, stat.S_ISCHR)
 
 
-def _idle_io() -> None:
-    """Put the calling thread in the idle I/O class: its reads go to the disk only when nobody else's wait (where the
-    kernel's I/O scheduler has classes: mq-deadline, BFQ). A cold ``import torch`` reads its libraries through page
-    faults meanwhile: on the H200 machine a read-ahead at the normal class made the start-up 2-4 s longer, and the
-    whole ``convert --out`` gained 0-3.6 s; at the idle class 0.6-2.8 s (benchmarks/convert_bench.py
-    --read-ahead-modes)."""
+def set_idle_io(idle: bool = True) -> None:
+    """Put the calling thread in the idle I/O class (``idle``): its reads go to the disk only when nobody else's wait
+    (where the kernel's I/O scheduler has classes: mq-deadline, BFQ); else back in the normal class. A cold ``import
+    torch`` reads its libraries through page faults meanwhile: on the H200 machine a read-ahead at the normal class
+    made the start-up 2-4 s longer, and the whole ``convert --out`` gained 0-3.6 s; at the idle class 0.6-2.8 s
+    (benchmarks/convert_bench.py --read-ahead-modes)."""
     number = _IOPRIO_SET.get(platform.machine())
     if number is not None and sys.platform.startswith("linux") and sys.maxsize > 2**32:  # (a 64-bit process)
-        try:
-            ctypes.CDLL(None, use_errno=True).syscall(number, 1, threading.get_native_id(), 3 << 13)  # who: a thread
+        try:  # who: a thread; what: the idle class, or none (the normal class of the thread's nice value)
+            ctypes.CDLL(None, use_errno=True).syscall(number, 1, threading.get_native_id(), 3 << 13 if idle else 0)
         except Exception:  # noqa: BLE001, S110 - best effort: at the normal class it still reads
             pass
 

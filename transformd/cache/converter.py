@@ -29,19 +29,24 @@ class Converter(Protocol):
     def __call__(self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None]) -> Any: ...
 
 
-#: The one thread of this process that imports the conversion's modules ahead of the first conversion.
+#: The one thread of this process that imports the conversion's modules ahead of the first conversion, then loads
+#: the kernel (:meth:`TransformdConverter.prepare`).
 _warming: threading.Thread | None = None
 _warming_lock = threading.Lock()
+#: Set once that thread's imports are over (done or failed): a conversion waits for them, not for the kernel.
+_imported = threading.Event()
 
 
 def _warm_up(device: str, recipe: Recipe) -> None:
     """Import torch, triton and the pipeline, initialise CUDA and load ``recipe``'s kernel on each GPU the
     conversion will use (seconds of a cold process)."""
     try:
-        from ..checkpoint import convert, conversion_devices  # noqa: F401 - torch, the pipeline, the kernels
-        from ..checkpoint.pieces import warm_up
-        from ..formats import ScaleMode, Target
-
+        try:
+            from ..checkpoint import convert, conversion_devices  # noqa: F401 - torch, the pipeline, the kernels
+            from ..checkpoint.pieces import warm_up
+            from ..formats import ScaleMode, Target
+        finally:
+            _imported.set()
         warm_up(conversion_devices(device), Target(recipe.target), ScaleMode(recipe.scale_mode))
     except Exception:  # noqa: BLE001, S110 - the conversion itself meets the same error and reports it
         pass
@@ -75,22 +80,31 @@ class TransformdConverter:
         """``shard_order``: a :class:`transformd.checkpoint.ShardOrder` (the daemon's just-in-time shards).
         ``plan``: the :class:`~transformd.checkpoint.ConversionPlan` of the same content (the daemon planned it
         when the request came; the cache checked the content still has the key asked for), read from ``src``."""
-        # imported late (the cache does not need torch code), and never beside the warm-up's imports
-        if _warming is not None:
-            _warming.join()
+        # imported late (the cache does not need torch code), and never beside the warm-up's imports; the plan and
+        # the first batch's reading overlap the kernel's load, which the first launch waits for
+        warming = _warming
+        while warming is not None and not _imported.wait(0.1) and warming.is_alive():
+            pass
         from ..checkpoint import conversion_devices, plan_conversion, write_checkpoint
+        from ..checkpoint.pipeline import release_cached_memory
 
         if plan is None or plan.select != recipe.select:
             plan = plan_conversion(src, select=recipe.select)
-        return write_checkpoint(
-            dataclasses.replace(plan, src=Path(src)),
-            out,
-            target=recipe.target,
-            scale_mode=recipe.scale_mode,
-            devices=conversion_devices(self.device),
-            progress=progress,
-            shard_order=shard_order,
-        )
+        devices = conversion_devices(self.device)
+        try:
+            return write_checkpoint(
+                dataclasses.replace(plan, src=Path(src)),
+                out,
+                target=recipe.target,
+                scale_mode=recipe.scale_mode,
+                devices=devices,
+                progress=progress,
+                shard_order=shard_order,
+            )
+        finally:
+            if warming is not None and warming.is_alive():  # (a conversion that launched nothing, or failed early)
+                warming.join()
+                release_cached_memory(devices)  # the warm-up's buffers
 
     def __repr__(self) -> str:
         return f"TransformdConverter(device={self.device!r})"

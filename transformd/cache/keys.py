@@ -39,6 +39,7 @@ import mmap
 import os
 import re
 import stat as stat_mod
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ import blake3
 
 from .._durable import read_json, write_json_atomic
 from ..formats import FORMAT_VERSION, ScaleMode, Target
+from ..readahead import set_idle_io
 from .errors import InvalidKeyError, SourceChangedError, SourceError
 from .securefs import SourceTree, open_source
 
@@ -63,11 +65,14 @@ RACY_WINDOW_NS = 2_000_000_000
 HASH_CHUNK_BYTES = 8 << 20
 #: Threads that read a file's slices ahead of its hashing.
 _READERS = 4
+#: Each reader thread's I/O class (``idle``: see :data:`Pace`).
+_reader = threading.local()
 
 #: ``pace(n)``: called before a hashing reads its next slice, with the position in the source where that slice ends
 #: (the bytes of the files before it, in the tree's order, plus the file's own up to there); it may block (to keep
-#: the hashing behind a conversion) or raise (to stop it).
-Pace = Callable[[int], None]
+#: the hashing behind a conversion) or raise (to stop it). A true return reads that slice at the idle I/O class
+#: (:func:`transformd.readahead.set_idle_io`: while a process starts, its imports' reads go first).
+Pace = Callable[[int], bool | None]
 
 _HUB_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _HUB_SHA1 = re.compile(r"^[0-9a-f]{40}$")
@@ -215,9 +220,8 @@ def _feed(h: Any, fd: int, size: int, pace: Pace | None) -> None:
 
         def read(i: int) -> None:  # slice i, into the buffer that slice i - len(bufs) used (hashed by now)
             end = min(size, starts[i] + HASH_CHUNK_BYTES)
-            if pace is not None:
-                pace(end)
-            reads.append(pool.submit(_read_exactly, fd, bufs[i % len(bufs)][: end - starts[i]], starts[i], size))
+            idle = pace is not None and bool(pace(end))
+            reads.append(pool.submit(_read_exactly, fd, bufs[i % len(bufs)][: end - starts[i]], starts[i], size, idle))
 
         for i in range(min(len(starts), _READERS)):
             read(i)
@@ -228,7 +232,10 @@ def _feed(h: Any, fd: int, size: int, pace: Pace | None) -> None:
             h.update(data)
 
 
-def _read_exactly(fd: int, view: memoryview, offset: int, size: int) -> memoryview:
+def _read_exactly(fd: int, view: memoryview, offset: int, size: int, idle: bool = False) -> memoryview:
+    if getattr(_reader, "idle", False) != idle:  # (a reader thread starts in the normal class)
+        set_idle_io(idle)
+        _reader.idle = idle
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)

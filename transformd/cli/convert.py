@@ -128,26 +128,29 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
 
 
 @contextlib.contextmanager
-def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None]
+def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None], read_ahead: bool = True
                     ) -> Iterator[Callable[[Any], None]]:
-    """While torch is imported: read ``src``'s first shards into the page cache (:mod:`transformd.readahead`) and
-    start CUDA on the GPUs the conversion will use (:mod:`transformd.cuda_start`). ``progress`` is given back
-    wrapped so that the conversion's first update stops the reading."""
+    """While torch is imported: read ``src``'s first shards into the page cache (:mod:`transformd.readahead`; not
+    with ``read_ahead`` false: the hashing of a source new to the cache does that itself) and start CUDA on the GPUs
+    the conversion will use (:mod:`transformd.cuda_start`). ``progress`` is given back wrapped so that the
+    conversion's first update stops the reading."""
     from ..cuda_start import start_cuda
     from ..readahead import ReadAhead, shard_files
 
     shards = shard_files(src)
-    ahead = ReadAhead(shards)
+    ahead = ReadAhead(shards) if read_ahead else None
     cuda = start_cuda(device, len(shards))
 
     def update(status: Any) -> None:
-        ahead.stop()
+        if ahead is not None:
+            ahead.stop()
         progress(status)
 
     try:
         yield update
     finally:
-        ahead.stop()
+        if ahead is not None:
+            ahead.stop()
         if cuda is not None:  # (done by now unless the conversion failed early: not left in the driver at exit)
             cuda.join(10)
 
@@ -223,9 +226,9 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         entry = convert_through_daemon(cache, args.src, recipe, known=known, progress_every=args.progress_every)
     if entry is None:
         bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
-        # also beside the hashing of a source new to the cache (cache.alongside): that one waits for the GIL, which
-        # the import holds, between its reads, and then finds in the page cache what was read ahead
-        with bar, _while_starting(args.src, args.device, lambda status: bar.update(status.progress)) as update:
+        # a source new to the cache is hashed beside its conversion, which reads it ahead itself (cache.alongside)
+        with bar, _while_starting(args.src, args.device, lambda status: bar.update(status.progress),
+                                  read_ahead=known is not None) as update:
             entry = cache.get_or_convert(args.src, recipe, progress=update, identity=known)
     _print_outcome(_recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
