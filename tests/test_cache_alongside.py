@@ -274,7 +274,7 @@ class _PacedCopy:
     def _hashed(self, n: int) -> None:
         """Wait until the hashing has read ``n`` bytes, and 50 ms more (in which an unpaced one would read on)."""
         for _ in range(1000):
-            if any(e[:2] == ("read", n) for e in self.events):
+            if ("read", n) in self.events:
                 break
             threading.Event().wait(0.01)
         threading.Event().wait(0.05)
@@ -310,40 +310,55 @@ def _paced_source(d: Path) -> Path:
     return _old(d)
 
 
+_IOPRIO_GET = {"x86_64": 252, "aarch64": 31}.get(os.uname().machine) if sys.platform.startswith("linux") else None
+
+
 @pytest.fixture
-def hash_reads(monkeypatch) -> tuple[list, threading.Lock]:
+def hash_reads(monkeypatch) -> tuple[list, threading.Lock, dict[int, int | None]]:
     """The hashing's reads of the source (``src``: not the output, which the cache hashes too), as ("read", bytes
-    read so far) events, with a lock to add the conversion's."""
+    read so far) events, with a lock to add the conversion's, and the I/O class of each read by the bytes read so
+    far (None where ioprio_get's number is not known)."""
     events: list = []
     lock = threading.Lock()
+    classes: dict[int, int | None] = {}
     real, total = os.preadv, [0]
 
     def preadv(fd, buffers, offset, *args):
+        io_class = None if _IOPRIO_GET is None else ctypes.CDLL(None).syscall(
+            _IOPRIO_GET, 1, threading.get_native_id()) >> 13
         n = real(fd, buffers, offset, *args)
         if threading.current_thread().name.startswith("transformd-hash") and "/src/" in os.readlink(
                 f"/proc/self/fd/{fd}"):
             with lock:
                 total[0] += n
                 events.append(("read", total[0]))
+                classes[total[0]] = io_class
         return n
 
     monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(keys, "HASH_CHUNK_BYTES", 4096)
-    return events, lock
+    return events, lock, classes
+
+
+def _convert_paced(tmp_path: Path, converter: _PacedCopy, events: list):
+    """Convert a source of three 64 KiB files with ``converter``, the hashing's lead 16 KiB; the entry, and the
+    events until then (keying the source again, to check the entry's key, reads it too)."""
+    src = _paced_source(tmp_path / "src")
+    cache = _cache(tmp_path / "cache", converter)
+    cache.hash_lead_bytes = 16 << 10
+    entry = cache.get_or_convert(src, Recipe(target="ocp"))
+    seen = list(events)
+    assert entry.key == Cache(tmp_path / "other", budget_bytes="1G").key_for(src, Recipe(target="ocp"))
+    return entry, seen
 
 
 def test_the_hashing_keeps_within_its_lead_of_the_conversion(tmp_path, hash_reads):
     """The hashing beside a conversion reads ahead of it by ``hash_lead_bytes`` at the most (a hashing that ran on
     alone took the disk from the conversion's writes, and a source larger than the page cache would be read
     twice), and the key is still the content's."""
-    events, lock = hash_reads
-    src = _paced_source(tmp_path / "src")
-    cache = _cache(tmp_path / "cache", _PacedCopy(events, lock))
-    cache.hash_lead_bytes = 16 << 10
-    entry = cache.get_or_convert(src, Recipe(target="ocp"))
-    events = list(events)  # (the independent keying below reads too)
+    events, lock, _ = hash_reads
+    entry, events = _convert_paced(tmp_path, _PacedCopy(events, lock), events)
     assert entry.outcome == "converted" and "hash_alongside" in entry.manifest.timings
-    assert entry.key == Cache(tmp_path / "other", budget_bytes="1G").key_for(src, Recipe(target="ocp"))
     done, paces, ended = 0, set(), False
     for kind, n in events:
         if kind == "done":
@@ -351,7 +366,7 @@ def test_the_hashing_keeps_within_its_lead_of_the_conversion(tmp_path, hash_read
         elif kind == "end":
             ended = True
         elif not ended:
-            assert n <= done + cache.hash_lead_bytes, f"read to byte {n} with the conversion at {done}"
+            assert n <= done + (16 << 10), f"read to byte {n} with the conversion at {done}"
             paces.add(done)
     assert sum(1 for kind, _ in events if kind == "read") == 3 * 16, "every byte hashed once, 4 KiB at a time"
     assert len(paces) > 10, "the hashing went on step by step with the conversion"
@@ -360,13 +375,8 @@ def test_the_hashing_keeps_within_its_lead_of_the_conversion(tmp_path, hash_read
 def test_a_conversion_that_reports_no_progress_still_gets_its_key(tmp_path, hash_reads):
     """The pace is lifted once the conversion waits for the key: a converter that never reports bytes does not
     leave the hashing stuck at its lead."""
-    events, lock = hash_reads
-    src = _paced_source(tmp_path / "src")
-    cache = _cache(tmp_path / "cache", _PacedCopy(events, lock, report=False))
-    cache.hash_lead_bytes = 16 << 10
-    entry = cache.get_or_convert(src, Recipe(target="ocp"))
-    events = list(events)  # (the independent keying below reads too)
-    assert entry.key == Cache(tmp_path / "other", budget_bytes="1G").key_for(src, Recipe(target="ocp"))
+    events, lock, _ = hash_reads
+    _, events = _convert_paced(tmp_path, _PacedCopy(events, lock, report=False), events)
     reads = [n for kind, n in events if kind == "read"]
     end = events.index(("end", 3 * (64 << 10)))
     assert max(n for kind, n in events[:end] if kind == "read") == 16 << 10, "paced at its lead until then"
@@ -377,7 +387,7 @@ def test_a_conversion_that_reports_no_progress_still_gets_its_key(tmp_path, hash
 def test_a_failed_conversion_stops_a_hashing_that_waits_on_its_pace(tmp_path, hash_reads):
     """The conversion fails while the hashing waits for it to go on: the hashing stops at once (no hang), having read
     no further than its lead, and nothing is published."""
-    events, lock = hash_reads
+    events, lock, _ = hash_reads
     src = _paced_source(tmp_path / "src")
     cache = _cache(tmp_path / "cache", _PacedCopy(events, lock, fail_after=4096))
     cache.hash_lead_bytes = 16 << 10
@@ -388,30 +398,15 @@ def test_a_failed_conversion_stops_a_hashing_that_waits_on_its_pace(tmp_path, ha
     assert os.listdir(cache.entries_dir) == [] and os.listdir(cache.staging_dir) == []
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"),
-                    reason="ioprio_get's number is known for x86_64 and aarch64")
-def test_the_hashing_reads_at_the_idle_io_class_until_the_conversion_starts(tmp_path, monkeypatch):
+@pytest.mark.skipif(_IOPRIO_GET is None, reason="ioprio_get's number is known for Linux on x86_64 and aarch64")
+def test_the_hashing_reads_at_the_idle_io_class_until_the_conversion_starts(tmp_path, hash_reads, monkeypatch):
     """While the conversion starts (a cold process imports torch meanwhile) the hashing's reads wait in the idle I/O
     class, so that the imports' reads go first, and a read-ahead that takes no GIL reads the source beside it; from
     the conversion's first progress update on, the read-ahead has stopped and the hashing reads at the normal class
     (the conversion's reads would otherwise wait for it). The read-ahead is joined before the source is closed."""
     from transformd.cache import alongside
 
-    get = {"x86_64": 252, "aarch64": 31}[os.uname().machine]
-    events: list = []
-    lock = threading.Lock()
-    real, total = os.preadv, [0]
-
-    def preadv(fd, buffers, offset, *args):
-        io_class = ctypes.CDLL(None).syscall(get, 1, threading.get_native_id()) >> 13
-        n = real(fd, buffers, offset, *args)
-        if threading.current_thread().name.startswith("transformd-hash") and "/src/" in os.readlink(
-                f"/proc/self/fd/{fd}"):
-            with lock:
-                total[0] += n
-                events.append(("read", total[0], io_class))
-        return n
-
+    events, lock, classes = hash_reads
     aheads: list = []
 
     class Ahead(alongside.ReadAhead):
@@ -424,20 +419,13 @@ def test_the_hashing_reads_at_the_idle_io_class_until_the_conversion_starts(tmp_
                 events.append(("read-ahead stopped",))
             super().stop()
 
-    monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(keys, "HASH_CHUNK_BYTES", 4096)
     monkeypatch.setattr(alongside, "ReadAhead", Ahead)
-    src = _paced_source(tmp_path / "src")
-    cache = _cache(tmp_path / "cache", _PacedCopy(events, lock, late=True))
-    cache.hash_lead_bytes = 16 << 10
-    entry = cache.get_or_convert(src, Recipe(target="ocp"))
-    seen = list(events)  # (the independent keying below reads too)
-    assert entry.key == Cache(tmp_path / "other", budget_bytes="1G").key_for(src, Recipe(target="ocp"))
+    _, seen = _convert_paced(tmp_path, _PacedCopy(events, lock, late=True), events)
     first = next(i for i, e in enumerate(seen) if e[0] == "done")
     before, after = seen[:first], seen[first + 1:]
-    assert [e[2] for e in before] == [3] * 4, "16 KiB (the lead) read at the idle class before the conversion began"
+    assert [classes[e[1]] for e in before] == [3] * 4, "16 KiB (the lead) read at the idle class before it began"
     assert after[0] == ("read-ahead stopped",), "stopped by the conversion's first update"
     reads = [e for e in after if e[0] == "read"]
-    assert len(reads) == 3 * 16 - 4 and 3 not in {e[2] for e in reads}, "the rest at the normal class"
+    assert len(reads) == 3 * 16 - 4 and 3 not in {classes[e[1]] for e in reads}, "the rest at the normal class"
     assert len(aheads) == 1 and aheads[0].bytes_read == 3 * (64 << 10), "the source read ahead through the tree"
     assert not any(t.name == "transformd-read-ahead" for t in threading.enumerate())
