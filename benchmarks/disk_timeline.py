@@ -187,16 +187,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             while subprocess.run([*client, "health", "--socket", str(sock), "-q"], env=env, cwd=cb.REPO,
                                  capture_output=True).returncode:
-                if proc.poll() is not None:
+                if proc.poll() is not None or time.time() - t0 > 120:
                     raise RuntimeError(f"the daemon did not start:\n{log.read_text()[-3000:]}")
                 time.sleep(0.2)
             asked = time.time() - t0
-            subprocess.run([*client, "resolve", str(src), "--socket", str(sock), "--poll-interval", "0.05"], env=env,
-                           cwd=cb.REPO, capture_output=True, check=True)
+            done = subprocess.run([*client, "resolve", str(src), "--socket", str(sock), "--poll-interval", "0.05"],
+                                  env=env, cwd=cb.REPO, capture_output=True, text=True)
             ready = time.time() - t0
+            if done.returncode:
+                raise RuntimeError(f"resolve failed ({done.returncode}):\n{done.stderr[-3000:]}")
         finally:
             proc.terminate()
-            proc.wait(120)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         phases = [f"@ {asked:7.3f} resolve asked (the daemon up)", f"@ {ready:7.3f} ready ({ready - asked:.2f} s)",
                   *(line for line in log.read_text().splitlines() if line.startswith("@"))]
         return [f"  {line}" for line in sorted(phases, key=lambda line: float(line.split()[1]))]

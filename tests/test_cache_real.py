@@ -104,25 +104,43 @@ def test_the_warm_up_thread_imports_the_conversion_once(monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_a_conversion_waits_for_the_warm_ups_imports_not_for_its_kernel(tmp_path, monkeypatch):
-    """Once the warm-up thread's imports are over, the conversion plans and reads while the kernel loads (its first
-    launch waits for that on the converters' lock, ``pieces.warm_up``); waiting for the whole warm-up put the plan
-    and the first reads after the kernel's load (0.6-2.4 s on the H200 machine). The warm-up is joined before the
-    conversion returns, and the output is right."""
+    """The conversion plans and reads once the warm-up thread's imports are over (never importing beside them), while
+    the kernel loads (its first launch waits for that on the converters' lock, ``pieces.warm_up``): waiting for the
+    whole warm-up put the plan and the first reads after the kernel's load (0.6-2.4 s on the H200 machine). A
+    warm-up still running when the conversion ends is joined before it returns; the output is right."""
     import threading
+    import time
 
     import transformd.cache.converter as converter_module
-    from transformd.checkpoint import pieces
 
     from .support.checkpoints import assert_converted, write_checkpoint
 
-    converted, seen = threading.Event(), []
-    monkeypatch.setattr(pieces, "warm_up", lambda devices, target, scale_mode: seen.append(converted.wait(20)))
+    imported, converted, order = threading.Event(), threading.Event(), []
+
+    def warm_up(device, recipe):  # as _warm_up: the imports (0.3 s), then the kernel's load (until converting, 1 s)
+        time.sleep(0.3)
+        order.append("imports over")
+        imported.set()
+        order.append(f"converting while the kernel loads: {converted.wait(20)}")
+        time.sleep(1)
+        order.append("kernel loaded")
+
+    real_warm_up = converter_module._warm_up
     monkeypatch.setattr(converter_module, "_warming", None)
-    monkeypatch.setattr(converter_module, "_imported", threading.Event())
+    monkeypatch.setattr(converter_module, "_imported", imported)
+    monkeypatch.setattr(converter_module, "_warm_up", warm_up)
     converter = converter_module.TransformdConverter("cpu")
     converter.prepare(Recipe(target="ocp"))
     src = write_checkpoint(tmp_path / "src")
-    converter(src, tmp_path / "out", Recipe(target="ocp"), lambda update: converted.set())
-    assert seen == [True], "the conversion went on while the kernel was loading"
-    assert not converter_module._warming.is_alive()
+
+    def progress(update) -> None:
+        if not converted.is_set():
+            order.append("converting")
+            converted.set()
+
+    converter(src, tmp_path / "out", Recipe(target="ocp"), progress)
+    assert order == ["imports over", "converting", "converting while the kernel loads: True", "kernel loaded"]
     assert_converted(src, tmp_path / "out", "ocp", "exact")
+    monkeypatch.setattr(converter_module, "_imported", threading.Event())
+    real_warm_up("cpu", Recipe(target="ocp"))  # the real one says when its imports are over
+    assert converter_module._imported.is_set()

@@ -187,7 +187,10 @@ _PROBE = (
     "    init(self, *a, **k)\n"
     "def stopped(self):\n"
     "    if not self._stopped.is_set():\n"
-    "        print('stopped by', sys._getframe(1).f_code.co_name, 'torch imported:', imported(), file=sys.stderr)\n"
+    "        by = sys._getframe(1)\n"
+    "        if by.f_code.co_name == '_begun':\n"  # the hashing's: by its first update, or only when it ended
+    "            by = by.f_back\n"
+    "        print('stopped by', by.f_code.co_name, 'torch imported:', imported(), file=sys.stderr)\n"
     "    stop(self)\n"
     "r.ReadAhead.__init__, r.ReadAhead.stop = started, stopped\n"
     "import transformd.cuda_start as c\n"
@@ -229,7 +232,7 @@ def test_a_cold_convert_reads_ahead_while_torch_is_imported(tmp_path, where):
     # stopped by the conversion's first progress update, not at the end
     if "hashed" in where:  # (the hashing's read-ahead starts after the warm-up thread began to import torch)
         assert said == ["cuda started for cpu torch imported: False", "read ahead, torch imported: False",
-                        "stopped by _begun torch imported: True"], done.stderr
+                        "stopped by converted torch imported: True"], done.stderr
     else:
         assert said == ["read ahead, torch imported: False", "cuda started for cpu torch imported: False",
                         "stopped by update torch imported: True"], done.stderr

@@ -24,7 +24,7 @@ import platform
 import stat
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 #: Bytes read ahead of a conversion at the most (:func:`read_ahead_bytes` lowers it to an eighth of the memory). In
@@ -37,8 +37,10 @@ _SLICE_BYTES = 64 << 20
 _FALLBACK_BYTES = 8 << 20
 #: An index larger than this is not read here (the conversion's plan reports it).
 _INDEX_MAX_BYTES = 64 << 20
-#: ioprio_set's system call number per machine (Python and glibc have no wrapper).
-_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+#: ioprio_get's and ioprio_set's system call numbers per machine (Python and glibc have no wrapper).
+_IOPRIO = {"x86_64": (252, 251), "aarch64": (31, 30)}
+#: Each thread's I/O priority before :func:`set_idle_io` first made it idle.
+_thread_io = threading.local()
 
 
 def memory_limit() -> int:
@@ -139,16 +141,22 @@ def _null_device() -> int | None:
 
 def set_idle_io(idle: bool = True) -> None:
     """Put the calling thread in the idle I/O class (``idle``): its reads go to the disk only when nobody else's wait
-    (where the kernel's I/O scheduler has classes: mq-deadline, BFQ); else back in the normal class. A cold ``import
-    torch`` reads its libraries through page faults meanwhile: on the H200 machine a read-ahead at the normal class
-    made the start-up 2-4 s longer, and the whole ``convert --out`` gained 0-3.6 s; at the idle class 0.6-2.8 s
-    (benchmarks/convert_bench.py --read-ahead-modes)."""
-    number = _IOPRIO_SET.get(platform.machine())
-    if number is not None and sys.platform.startswith("linux") and sys.maxsize > 2**32:  # (a 64-bit process)
-        try:  # who: a thread; what: the idle class, or none (the normal class of the thread's nice value)
-            ctypes.CDLL(None, use_errno=True).syscall(number, 1, threading.get_native_id(), 3 << 13 if idle else 0)
-        except Exception:  # noqa: BLE001, S110 - best effort: at the normal class it still reads
-            pass
+    (where the kernel's I/O scheduler has classes: mq-deadline, BFQ); else back in the class it had before (an
+    ``ionice`` of the process is kept). A cold ``import torch`` reads its libraries through page faults meanwhile:
+    on the H200 machine a read-ahead at the normal class made the start-up 2-4 s longer, and the whole ``convert
+    --out`` gained 0-3.6 s; at the idle class 0.6-2.8 s (benchmarks/convert_bench.py --read-ahead-modes)."""
+    numbers = _IOPRIO.get(platform.machine())
+    if numbers is None or not sys.platform.startswith("linux") or sys.maxsize <= 2**32:  # (a 64-bit process)
+        return
+    (get, put), who = numbers, threading.get_native_id()  # (IOPRIO_WHO_PROCESS with a thread's id: that thread)
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+        if idle and not hasattr(_thread_io, "before"):
+            before = syscall(get, 1, who)
+            _thread_io.before = before if before >= 0 else 0  # (0: none, the class of the thread's nice value)
+        syscall(put, 1, who, 3 << 13 if idle else getattr(_thread_io, "before", 0))
+    except Exception:  # noqa: BLE001, S110 - best effort: at the normal class it still reads
+        pass
 
 
 def _open_regular(path: str | os.PathLike[str]) -> int | None:
@@ -173,21 +181,45 @@ def _open_of_kind(path: str | os.PathLike[str], flags: int, is_kind: Callable[[i
     return None
 
 
+#: The index whose shards a conversion reads.
+INDEX_NAME = "model.safetensors.index.json"
+
+
 def shard_files(src: str | os.PathLike[str]) -> list[Path]:
-    """The shards of a checkpoint directory in the order the conversion reads them: the index's (sorted, as the
-    plan sorts them), else the ``*.safetensors`` files in name order; [] when neither can be read."""
+    """The shards of a checkpoint directory in the order the conversion reads them (:func:`shard_order`); [] when
+    neither the index nor the directory can be read."""
     src = Path(src)
-    fd = _open_regular(src / "model.safetensors.index.json")
+    index = None
+    fd = _open_regular(src / INDEX_NAME)
+    if fd is not None:
+        try:
+            with os.fdopen(fd, "rb") as f:
+                index = f.read(_INDEX_MAX_BYTES)
+        except OSError:
+            pass
     try:
-        if fd is None:
-            raise OSError("no regular index")
-        with os.fdopen(fd, "rb") as f:
-            index = json.loads(f.read(_INDEX_MAX_BYTES))  # (a larger one is cut: not JSON, the name order is used)
-        names = {n for n in index["weight_map"].values() if isinstance(n, str) and Path(n).name == n != ".."}
-        return [src / name for name in sorted(names) if not name.startswith(".")]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    try:
-        return sorted(p for p in src.iterdir() if p.name.endswith(".safetensors") and not p.name.startswith("."))
+        names = os.listdir(src)
     except OSError:
-        return []
+        names = []
+    return [src / name for name in shard_order(index, names)]
+
+
+def shard_order(index: bytes | None, names: Iterable[str]) -> list[str]:
+    """The shards a conversion reads, in its order: those that ``index`` (the bytes of the index; None: there is
+    none) names, sorted as the plan sorts them; else, without an index or with one that is not valid JSON (a larger
+    one is cut), the ``*.safetensors`` of ``names`` (a directory's) in name order."""
+    try:
+        if index is None:
+            raise ValueError("no index")
+        listed = json.loads(index)["weight_map"].values()
+        return sorted({n for n in listed if isinstance(n, str) and Path(n).name == n != ".." and n[:1] != "."})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return sorted(n for n in names if n.endswith(".safetensors") and not n.startswith(".") and "/" not in n)
+
+
+def read_index(fd: int) -> bytes | None:
+    """The bytes of an index open as ``fd`` (:data:`_INDEX_MAX_BYTES` at the most), None when it cannot be read."""
+    try:
+        return os.pread(fd, _INDEX_MAX_BYTES, 0)
+    except OSError:
+        return None

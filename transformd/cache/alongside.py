@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..readahead import ReadAhead, read_ahead_bytes
+from ..readahead import INDEX_NAME, ReadAhead, read_ahead_bytes, read_index, shard_order
 from .keys import (
     HashingCancelled,
     Recipe,
@@ -106,9 +106,16 @@ class Hasher:
         self.seconds = 0.0
         self._lead, self._converted, self._unpaced, self._started = lead, 0, False, False
         self._paced = threading.Condition()
-        self._ahead = ReadAhead([f.proc_path for f in tree.files])  # (stopped and joined before the tree closes)
+        # one read-ahead at a time in a process (a daemon's concurrent cold starts would each read up to an eighth
+        # of the memory ahead); stopped when the conversion begins, and joined before the tree closes
+        self._ahead = ReadAhead(_shards(tree)) if _read_ahead_slot.acquire(blocking=False) else None
         self._thread = threading.Thread(target=self._run, name="transformd-hash", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._begun()
+            self._join_read_ahead()
+            raise
 
     def _run(self) -> None:
         t0 = time.monotonic()
@@ -149,8 +156,15 @@ class Hasher:
     def _begun(self) -> None:
         """The conversion has started (or is over): the start-up's read-ahead stops, the hashing reads at the
         normal I/O class."""
-        self._started = True
-        self._ahead.stop()
+        with self._paced:
+            self._started, ahead = True, self._ahead if not self._started else None
+        if ahead is not None:
+            ahead.stop()
+            _read_ahead_slot.release()  # (another conversion's start may read ahead while this one's last slice ends)
+
+    def _join_read_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.join()
 
     def converted(self, update: Any) -> None:
         """Hear the conversion's progress: the first update ends the start-up (see the class); its ``bytes_done``
@@ -202,9 +216,22 @@ class Hasher:
         self._stop.set()
         self._unpace()
         self._thread.join()
-        self._ahead.join()
+        self._join_read_ahead()
         if self.key_lock is not None:
             self.key_lock.release()
+
+
+#: Held by the Hasher of this process whose start-up read-ahead runs.
+_read_ahead_slot = threading.Lock()
+
+
+def _shards(tree: SourceTree) -> list[str]:
+    """The tree's shards in the order its conversion reads them (:func:`transformd.readahead.shard_order`), as paths
+    of their checked descriptors (``/proc/self/fd/N``: the same files, whatever the directory holds by now)."""
+    files = {f.rel: f for f in tree.files}
+    index = files.get(INDEX_NAME)
+    names = shard_order(None if index is None else read_index(index.fd), files)
+    return [files[name].proc_path for name in names if name in files]
 
 
 class AlongsideMixin:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable
@@ -104,7 +105,8 @@ class TransformdConverter:
         finally:
             if warming is not None and warming.is_alive():  # (a conversion that launched nothing, or failed early)
                 warming.join()
-                release_cached_memory(devices)  # the warm-up's buffers
+                with contextlib.suppress(Exception):  # (never in place of the conversion's own error)
+                    release_cached_memory(devices)  # the warm-up's buffers
 
     def __repr__(self) -> str:
         return f"TransformdConverter(device={self.device!r})"
