@@ -181,7 +181,7 @@ def _open_of_kind(path: str | os.PathLike[str], flags: int, is_kind: Callable[[i
     return None
 
 
-#: The index whose shards a conversion reads.
+#: The index whose shards a conversion reads (:mod:`transformd.checkpoint.plan` reads it under this name too).
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -193,10 +193,9 @@ def shard_files(src: str | os.PathLike[str]) -> list[Path]:
     fd = _open_regular(src / INDEX_NAME)
     if fd is not None:
         try:
-            with os.fdopen(fd, "rb") as f:
-                index = f.read(_INDEX_MAX_BYTES)
-        except OSError:
-            pass
+            index = read_index(fd)
+        finally:
+            os.close(fd)
     try:
         names = os.listdir(src)
     except OSError:

@@ -16,11 +16,11 @@ from ..engines import CHECKED_ENGINES, Engine, EngineReadiness, readiness
 from ..errors import CheckpointError, MxFormatError
 from ..formats import Target, check_pair_geometry, infer_row_block, tile_grid
 from ..quant_config import quark_row_block
+from ..readahead import INDEX_NAME
 from ..safetensors_header import Header, TensorInfo, read_header, tensor_nbytes
 
 CONFIG_NAME = "config.json"
 HF_QUANT_NAME = "hf_quant_config.json"
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_SHARD_NAME = "model.safetensors"
 #: Scale names of an MXFP8 weight ``W`` (``X.weight``, or ``X`` in fused HF-v5 naming): ``W<suffix>``.
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
