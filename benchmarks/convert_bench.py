@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -345,29 +345,37 @@ def timed(cmd: list[str], package: str | None = None, env: dict[str, str] | None
 
 
 @contextlib.contextmanager
-def serving(args: argparse.Namespace, root: Path, src: Path, package: str | None = None) -> Iterator[tuple[Path, Path]]:
+def serving(args: argparse.Namespace, root: Path, src: Path, package: str | None = None,
+            launcher: Sequence[str] = ("-m", "transformd"), env: dict[str, str] | None = None,
+            log: Path | None = None) -> Iterator[tuple[Path, Path]]:
     """A daemon started (not timed) with an empty cache, allowed to read ``src``: its socket and cache directory.
-    Stopped at the end, its cache removed after its entries' timings are printed. ``package``: as in :func:`timed`."""
+    Stopped at the end, its cache removed after its entries' timings are printed. ``package``: as in :func:`timed`;
+    ``launcher``: what runs ``transformd`` after ``python``; ``env``: variables to set for it; ``log``: its output
+    (default: appended to ``root/daemon.log``)."""
     sock, cache = root / "td.sock", root / "cache-daemon"
-    env = _child_env()
+    env = {**_child_env(), **(env or {})}
     if package is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
-    serve = [sys.executable, "-m", "transformd", "serve", "--socket", str(sock), "--cache-dir", str(cache),
+    serve = [sys.executable, *launcher, "serve", "--socket", str(sock), "--cache-dir", str(cache),
              "--allow-root", str(src.parent), "--device", args.device.split(":")[0], "--log-level", "warning"]
-    with open(root / "daemon.log", "a") as log:
-        proc = subprocess.Popen(serve, env=env, cwd=package or REPO, stdout=log, stderr=log)
+    log = log or root / "daemon.log"
+    with open(log, "a") as out:
+        proc = subprocess.Popen(serve, env=env, cwd=package or REPO, stdout=out, stderr=out)
     try:
         health = [sys.executable, "-m", "transformd", "health", "--socket", str(sock), "-q"]
         deadline = time.monotonic() + 120
         while subprocess.run(health, env=env, cwd=package or REPO, capture_output=True).returncode != 0:
             if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (root / "daemon.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"the daemon did not start; the end of {root / 'daemon.log'}:\n{tail}")
+                tail = log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the daemon did not start; the end of {log}:\n{tail}")
             time.sleep(0.2)
         yield sock, cache
     finally:
         proc.terminate()
-        proc.wait(120)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
         for manifest in cache.glob("entries/*/manifest.json"):  # how the daemon got there
             print(f"#   daemon's timings: {json.loads(manifest.read_text()).get('timings')}", file=sys.stderr)
         remove(cache)

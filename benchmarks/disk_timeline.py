@@ -176,32 +176,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def daemon() -> list[str]:
         """A daemon started (its phases logged) and its first resolve of the sample, to ready."""
-        sock, log, t0 = root / "td.sock", root / "daemon-timeline.log", time.time()
-        env = {**cb._child_env(), "TRANSFORMD_TIMELINE_T0": repr(t0)}
-        serve = [sys.executable, __file__, "--child", "serve", "--socket", str(sock), "--cache-dir",
-                 str(root / "cache-daemon"), "--allow-root", str(src.parent), "--device", args.device.split(":")[0],
-                 "--log-level", "warning"]
-        client = [sys.executable, "-m", "transformd"]
-        with open(log, "w") as f:
-            proc = subprocess.Popen(serve, env=env, cwd=cb.REPO, stdout=f, stderr=f)
-        try:
-            while subprocess.run([*client, "health", "--socket", str(sock), "-q"], env=env, cwd=cb.REPO,
-                                 capture_output=True).returncode:
-                if proc.poll() is not None or time.time() - t0 > 120:
-                    raise RuntimeError(f"the daemon did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(0.2)
+        log, t0 = root / "daemon-timeline.log", time.time()
+        log.unlink(missing_ok=True)
+        with cb.serving(args, root, src, launcher=[__file__, "--child"], env={"TRANSFORMD_TIMELINE_T0": repr(t0)},
+                        log=log) as (sock, _):
             asked = time.time() - t0
-            done = subprocess.run([*client, "resolve", str(src), "--socket", str(sock), "--poll-interval", "0.05"],
-                                  env=env, cwd=cb.REPO, capture_output=True, text=True)
+            done = subprocess.run([sys.executable, "-m", "transformd", "resolve", str(src), "--socket", str(sock),
+                                   "--poll-interval", "0.05"], env=cb._child_env(), cwd=cb.REPO, capture_output=True,
+                                  text=True)
             ready = time.time() - t0
             if done.returncode:
                 raise RuntimeError(f"resolve failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         phases = [f"@ {asked:7.3f} resolve asked (the daemon up)", f"@ {ready:7.3f} ready ({ready - asked:.2f} s)",
                   *(line for line in log.read_text().splitlines() if line.startswith("@"))]
         return [f"  {line}" for line in sorted(phases, key=lambda line: float(line.split()[1]))]
