@@ -23,11 +23,12 @@ Before every cold measurement everything is synced and the source's pages are dr
 ``--whole-process`` times whole processes instead, alternated in rounds on the same files: ``cp -r`` +
 ``sync``; ``python -m transformd convert SRC --out D``; ``convert SRC --cache-dir C`` cold, then again (a
 warm hit); with ``--daemon``, a daemon's first resolve and ``convert --cache-dir`` while a daemon serves that
-cache (it converts); and, with the source in the page cache, ``convert --out`` against ``cp -r`` + ``sync`` (the time
-to write and fsync the same bytes). Cold means ``echo 3 > /proc/sys/vm/drop_caches`` (as root), else
-``posix_fadvise(DONTNEED)`` on the source; ``--cold-source-only``: only the source, as on a node whose torch and
-CUDA libraries are in the page cache from an earlier run (the whole drop is the first run on a fresh node). The
-sample stores experts as per-expert 2-D tensors (thousands) unless ``--fused``.
+cache (it converts); and, with the source in the page cache, ``convert --out``, ``convert --cache-dir`` (and with
+``--daemon`` the daemon's first resolve) against ``cp -r`` + ``sync`` (the time to write and fsync the same
+bytes). Cold means ``echo 3 > /proc/sys/vm/drop_caches`` (as root), else ``posix_fadvise(DONTNEED)`` on the
+source; ``--cold-source-only``: only the source, as on a node whose torch and CUDA libraries are in the page cache
+from an earlier run (the whole drop is the first run on a fresh node). The sample stores experts as per-expert 2-D
+tensors (thousands) unless ``--fused``.
 
 Needs torch, safetensors and numpy; psutil, blake3 (the cache) and a GPU are optional.
 """
@@ -310,6 +311,11 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 # Whole processes (--whole-process)
 
 
+def read_into_page_cache(src: Path) -> None:
+    """Read ``src``'s shards once, so that a step finds them in the page cache."""
+    subprocess.run(["cat", *map(str, sorted(src.rglob("*.safetensors")))], stdout=subprocess.DEVNULL, check=True)
+
+
 def drop_caches(path: Path, only: bool = False) -> str:
     """Everything written back, then the page cache dropped: all of it as root (unless ``only``), else ``path``'s
     pages."""
@@ -415,6 +421,8 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
          root / "copy"),
         ("convert --out, source in page cache", False, lambda: timed([*convert, "--out", str(root / "out")]),
          root / "out"),
+        ("convert --cache-dir, source in page cache", False,
+         lambda: timed([*convert, "--cache-dir", str(root / "cache-pc")]), root / "cache-pc"),
     ]
     if args.hash_modes:  # the cache's cold conversion with the source hashed first, then converted
         def cache_with(name: str, settings: str) -> Callable[[], float]:
@@ -447,6 +455,8 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
                          lambda: daemon_first_resolve(args, root, src), None),
                         ("convert --cache-dir (cold), daemon on C", True,
                          lambda: convert_with_daemon(args, root, src, convert), None)]
+        steps.append(("daemon: first resolve, source in page cache", False,
+                      lambda: daemon_first_resolve(args, root, src), None))
         if args.baseline:
             steps[at + 2:at + 2] = [("baseline: daemon first resolve (cold)", True,
                                      lambda: daemon_first_resolve(args, root, src, str(Path(args.baseline).resolve())),
@@ -484,8 +494,7 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
             if cold:
                 how = drop_caches(src, only=args.cold_source_only)
             elif "page cache" in name:
-                subprocess.run(["cat", *map(str, sorted(src.rglob("*.safetensors")))], stdout=subprocess.DEVNULL,
-                               check=True)
+                read_into_page_cache(src)
             times[name].append(step())
             print(f"# {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
             if cleanup is not None:
@@ -499,12 +508,12 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
     floors = {"cold": "cp -r SRC DST && sync", "page cache": "cp -r + sync, source in page cache",
               "warm": "python -c 'import httpx' (a warm path's floor)"}
     floors = {kind: min(times[name]) for kind, name in floors.items() if name in times}  # (--skip may drop one)
-    header = f"{'what':<40} " + " ".join(f"{f'run {i + 1}':>16}" for i in range(args.rounds)) + f" {'GiB/s (best)':>13}"
+    header = f"{'what':<46} " + " ".join(f"{f'run {i + 1}':>16}" for i in range(args.rounds)) + f" {'GiB/s (best)':>13}"
     lines.append(header)
     for name, cold, *_ in steps:
         ref = floors.get("warm" if ("warm hit" in name or "httpx" in name) else "cold" if cold else "page cache")
         cells = [f"{t:6.2f} s ({t / ref:4.2f}x)" if ref else f"{t:6.2f} s" for t in times[name]]
-        lines.append(f"{name:<40} " + " ".join(f"{c:>16}" for c in cells) + f" {gib / min(times[name]):13.2f}")
+        lines.append(f"{name:<46} " + " ".join(f"{c:>16}" for c in cells) + f" {gib / min(times[name]):13.2f}")
     lines.append("ratios: cold steps against the best cold cp -r + sync; page-cache steps against the best cp -r + "
                  "sync with the source in the page cache (writing and fsyncing the same bytes); warm hits against "
                  "python -c 'import httpx' (Python plus an HTTP client)")

@@ -2,13 +2,15 @@
 
 Runs ``cp -r SRC DST && sync``, ``transformd convert SRC --out D``, ``transformd convert SRC --cache-dir C`` and
 (``--daemon``) a daemon's first ``transformd resolve SRC`` one after the other on convert_bench.py's sample, each
-after the page cache was dropped, and prints for each the read and write throughput and the utilisation of the disk
-under ``--dir`` (``/proc/diskstats``) per second, and for the conversions the moments (seconds from the process's
-start; for the daemon from its start, which the step includes) at which torch was imported, the plan made, the
-first batches converted, the first bytes written and the start-up read-ahead stopped (with how far it had read).
+after the page cache was dropped (``--page-cache``: after the source was read into it), and prints for each the
+read and write throughput and the utilisation of the disk under ``--dir`` (``/proc/diskstats``) per second, and
+for the conversions the moments (seconds from the process's start; for the daemon from its start, which the step
+includes) at which torch was imported, the plan and the engines' report made, the kernel loaded, the first
+batches converted, the first bytes written, the first shards fsynced and the start-up read-ahead stopped (with
+how far it had read).
 
     python3 benchmarks/disk_timeline.py --gib 16 --dir /tmp/wp --device cuda [--rounds 1] [--cold-source-only]
-        [--daemon] [--skip REGEX]
+        [--daemon] [--skip REGEX] [--page-cache]
 
 A diagnostic, Linux only: the phases come from wrapping a few of the package's functions inside the child
 process (``--child``), which costs nothing measurable but is not what users run; the whole-process times to
@@ -102,6 +104,24 @@ def child(t0: float, argv: list[str]) -> None:
 
         setattr(owner, name, wrapper)
 
+    def around(owner: object, name: str, what: str, first: int = 1) -> None:
+        """Log the start and the end of the first ``first`` calls of ``owner.name`` (on any thread)."""
+        real, calls = getattr(owner, name), [0]
+
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            n = calls[0]
+            label = f"{what} {n}" if first > 1 else what
+            if n <= first:
+                log(f"{label} started")
+            try:
+                return real(*args, **kwargs)
+            finally:
+                if n <= first:
+                    log(f"{label} done")
+
+        setattr(owner, name, wrapper)
+
     log("python started")
     import transformd.checkpoint as package  # (torch-free: its names load on first use)
     import transformd.readahead as readahead
@@ -113,16 +133,15 @@ def child(t0: float, argv: list[str]) -> None:
         from transformd import safetensors_io
         from transformd.checkpoint import convert, pieces
 
-        before(convert, "plan_conversion", lambda *a: log("plan started"))
+        from transformd.checkpoint import stages
+
+        around(convert, "plan_conversion", "plan")
+        around(convert, "plan_readiness", "readiness report")
         before(convert, "write_checkpoint", lambda *a: log("plan made, writing starts"))
-        batches = [0]
-
-        def launched(*args) -> None:
-            batches[0] += 1
-            if batches[0] <= 2:
-                log(f"batch {batches[0]} handed to the kernel")
-
-        before(pieces.KernelConverter, "__call__", launched)
+        around(pieces, "warm_up", "kernel warm-up")
+        around(stages.SlotPool, "take", "slot taken", first=2)
+        around(pieces.KernelConverter, "__call__", "batch converted", first=2)
+        around(safetensors_io.SafetensorsWriter, "close", "shard fsynced", first=2)
         before(safetensors_io.SafetensorsWriter, "write", lambda *a: once("write", "first converted bytes written"))
         before(safetensors_io.SafetensorsWriter, "copy_from", lambda *a: once("copy", "first tensor copied"))
 
@@ -153,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-source-only", action="store_true",
                    help="drop only the source from the page cache (default: all of it, as root)")
     p.add_argument("--daemon", action="store_true", help="also a daemon's start and first resolve")
+    p.add_argument("--page-cache", action="store_true",
+                   help="the source read into the page cache before each step instead of dropped from it")
     p.add_argument("--skip", metavar="REGEX", help="leave out the steps whose name matches")
     args = p.parse_args(argv)
     root = Path(args.dir)
@@ -201,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name, step, output in steps:
             cb.remove(output)
-            cb.drop_caches(src, only=args.cold_source_only)
+            if args.page_cache:
+                cb.read_into_page_cache(src)
+            else:
+                cb.drop_caches(src, only=args.cold_source_only)
             monitor, started = DiskMonitor(disk), time.monotonic()
             phases = step()
             seconds = time.monotonic() - started

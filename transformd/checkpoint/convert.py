@@ -7,6 +7,7 @@ beside ``--out`` (:mod:`transformd._durable`), the cache through its own ``stagi
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import os
@@ -115,8 +116,10 @@ def convert_checkpoint(
     _check_out(src, out, overwrite)  # (a refused output waits for no kernel)
     with _kernel_warm_up(devices, target, ScaleMode(scale_mode)):  # (while the plan is made)
         plan = plan_conversion(src, select=select)
-        report = plan_readiness(plan, target)
-        check_engine(report, engine, src)
+        report = None
+        if engine is not None:  # refused before anything is written (else the report is made while it is)
+            report = plan_readiness(plan, target)
+            check_engine(report, engine, src)
         needed = output_bytes(plan, target)
         _check_free_space(out, needed)
         try:
@@ -177,16 +180,20 @@ def write_checkpoint(
     Every file is fsynced once, by the stage that wrote it; the directories are not, and nothing is renamed:
     the caller publishes ``out`` (and removes it on an error). See :func:`convert_checkpoint` for the
     arguments; ``devices`` defaults to ``auto``'s choice; ``readiness``: :func:`plan_readiness` of ``plan`` when the
-    caller computed it already (to check an engine before writing).
+    caller computed it already (to check an engine before writing), else made on a thread while the shards are
+    written (0.14-0.28 s for 20,589 tensors on the H200 machine, which the first write would otherwise wait for).
     """
     started = time.monotonic()
     target, scale_mode = Target(target), ScaleMode(scale_mode)
     devices = devices if devices is not None else conversion_devices("auto")
     out.mkdir(exist_ok=True)
     run = Run(plan, out, target, scale_mode, max(1, chunk_bytes), max(1, host_memory_bytes), progress, shard_order)
-    convert_shards(run, devices)
-    write_metadata_files(run)
-    copy_other_files(run)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transformd-readiness") as pool:
+        made = pool.submit(plan_readiness, plan, target) if readiness is None else None
+        convert_shards(run, devices)
+        write_metadata_files(run)
+        copy_other_files(run)
+        readiness = readiness if made is None else made.result()
     return ConversionResult(
         out=out,
         converted=[p.weight.name for p in plan.selected],
@@ -199,7 +206,7 @@ def write_checkpoint(
         scale_mode=scale_mode.value,
         device=",".join(str(d) for d in devices),
         host_buffer_bytes=run.tally.buffers_peak,
-        readiness=readiness if readiness is not None else plan_readiness(plan, target),
+        readiness=readiness,
         tensors=plan.tensor_count,
         data_bytes=plan.data_bytes,
         stage_busy=run.stage_busy,
