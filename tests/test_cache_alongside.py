@@ -6,11 +6,13 @@ checkpoints do from 256 MiB on).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,17 +96,19 @@ def test_converted_while_hashed_under_the_key_hashing_first_gives(tmp_path, hash
 
 
 class _AfterTheHashing(_Counting):
-    """Converts once the hashing beside it is done (its thread has ended); records whether it ran to the end."""
+    """Converts once the hashing beside it is done (its thread has ended; it starts with the conversion's first
+    progress update); records whether it ran to the end."""
 
     finished: list[bool]
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, src, out, recipe, progress, *args, **kwargs):
+        progress({"bytes_done": 0})
         for _ in range(3000):
             if not any(t.name == "transformd-hash" for t in threading.enumerate()):
                 break
             threading.Event().wait(0.01)
         self.finished.append(False)
-        result = super().__call__(*args, **kwargs)
+        result = super().__call__(src, out, recipe, progress, *args, **kwargs)
         self.finished[-1] = True
         return result
 
@@ -265,11 +269,14 @@ class _PacedCopy:
     """Copies the source's files into ``out`` 4 KiB at a time, reporting ``bytes_done`` after each block (a
     conversion whose pace the hashing beside it must keep to). ``report`` false: it reports nothing, and starts once
     the hashing has read 16 KiB (and 50 ms more, in which an unpaced hashing would read on); so does ``late``, which
-    does report, and then waits for ``late`` (an event) too. ``fail_after``: raise after reporting that many bytes."""
+    does report, and then waits for ``late`` (an event) too; with ``hashed_first`` false it waits for ``late``
+    only, and 0.2 s more (a hashing that must read nothing before the conversion's first update).
+    ``fail_after``: raise after reporting that many bytes."""
 
     def __init__(self, events: list, lock: threading.Lock, report: bool = True, fail_after: int | None = None,
-                 late: threading.Event | None = None):
+                 late: threading.Event | None = None, hashed_first: bool = True):
         self.events, self.lock, self.report, self.fail_after, self.late = events, lock, report, fail_after, late
+        self.hashed_first = hashed_first
 
     def _hashed(self, n: int) -> None:
         """Wait until the hashing has read ``n`` bytes, and 50 ms more (in which an unpaced one would read on)."""
@@ -280,10 +287,12 @@ class _PacedCopy:
         threading.Event().wait(0.05)
 
     def __call__(self, src, out, recipe, progress):
-        if self.late is not None or not self.report:
+        if (self.late is not None or not self.report) and self.hashed_first:
             self._hashed(16 << 10)
         if self.late is not None:
             assert self.late.wait(30)
+            if not self.hashed_first:
+                threading.Event().wait(0.2)  # (in which a hashing that did not wait would read its lead)
         out.mkdir()
         done = 0
         for f in sorted(Path(src).iterdir()):
@@ -376,11 +385,24 @@ def test_the_hashing_keeps_within_its_lead_of_the_conversion(tmp_path, hash_read
     assert len(paces) > 10, "the hashing went on step by step with the conversion"
 
 
+@contextlib.contextmanager
+def _read_ahead_elsewhere() -> Iterator[None]:
+    """Another conversion of the process holds the start-up's read-ahead: the hashing reads its lead meanwhile."""
+    from transformd.cache import alongside
+
+    assert alongside._read_ahead_slot.acquire(blocking=False)
+    try:
+        yield
+    finally:
+        alongside._read_ahead_slot.release()
+
+
 def test_a_conversion_that_reports_no_progress_still_gets_its_key(tmp_path, hash_reads):
     """The pace is lifted once the conversion waits for the key: a converter that never reports bytes does not
     leave the hashing stuck at its lead."""
     events, lock, _ = hash_reads
-    _, events = _convert_paced(tmp_path, _PacedCopy(events, lock, report=False), events)
+    with _read_ahead_elsewhere():  # (so that the hashing reads up to its lead before the conversion ends)
+        _, events = _convert_paced(tmp_path, _PacedCopy(events, lock, report=False), events)
     reads = [n for kind, n in events if kind == "read"]
     end = events.index(("end", 3 * (64 << 10)))
     assert max(n for kind, n in events[:end] if kind == "read") == 16 << 10, "paced at its lead until then"
@@ -403,11 +425,14 @@ def test_a_failed_conversion_stops_a_hashing_that_waits_on_its_pace(tmp_path, ha
 
 
 @pytest.mark.skipif(_IOPRIO_GET is None, reason="ioprio_get: Linux on x86_64 or aarch64, not refused")
-def test_the_hashing_reads_at_the_idle_io_class_until_the_conversion_starts(tmp_path, hash_reads, monkeypatch):
-    """While the conversion starts (a cold process imports torch meanwhile) the hashing's reads wait in the idle I/O
-    class, so that the imports' reads go first, and a read-ahead that takes no GIL reads the source beside it; from
-    the conversion's first progress update on, the read-ahead has stopped and the hashing reads at the normal class
-    (the conversion's reads would otherwise wait for it). The read-ahead is joined before the source is closed."""
+@pytest.mark.parametrize("slot_free", [True, False], ids=["read-ahead", "read-ahead-held-elsewhere"])
+def test_the_hashing_waits_for_the_conversion_to_start(tmp_path, hash_reads, monkeypatch, slot_free):
+    """While the conversion starts (a cold process imports torch meanwhile) a read-ahead that takes no GIL reads the
+    source, and the hashing reads nothing (its readers would take the GIL from the imports, BLAKE3 every core); from
+    the conversion's first progress update on, the read-ahead has stopped and the hashing reads at the normal I/O
+    class. When another conversion of the process holds the read-ahead, this one's hashing reads its lead during the
+    start-up instead, at the idle class, so that the imports' reads go first. The read-ahead is joined before the
+    source is closed."""
     from transformd.cache import alongside
 
     events, lock, classes = hash_reads
@@ -428,14 +453,22 @@ def test_the_hashing_reads_at_the_idle_io_class_until_the_conversion_starts(tmp_
             super().stop()
 
     monkeypatch.setattr(alongside, "ReadAhead", Ahead)
-    _, seen = _convert_paced(tmp_path, _PacedCopy(events, lock, late=finished), events)
+    if not slot_free:
+        finished.set()  # (no read-ahead to wait for: the conversion starts once the hashing has read its lead)
+    with contextlib.nullcontext() if slot_free else _read_ahead_elsewhere():
+        _, seen = _convert_paced(tmp_path, _PacedCopy(events, lock, late=finished, hashed_first=not slot_free), events)
     first = next(i for i, e in enumerate(seen) if e[0] == "done")
     before, after = seen[:first], seen[first + 1:]
-    assert [classes[e[1]] for e in before] == [3] * 4, "16 KiB (the lead) read at the idle class before it began"
-    assert after[0] == ("read-ahead stopped",), "stopped by the conversion's first update"
+    if slot_free:
+        assert before == [], "the hashing read nothing while the conversion started"
+        assert after[0] == ("read-ahead stopped",), "stopped by the conversion's first update"
+        assert len(aheads) == 1 and aheads[0].bytes_read == 3 * (64 << 10), "the source read ahead through the tree"
+    else:
+        assert [classes[e[1]] for e in before] == [3] * 4, "16 KiB (the lead) read at the idle class before it began"
+        assert aheads == [], "no second read-ahead in the process"
     reads = [e for e in after if e[0] == "read"]
-    assert len(reads) == 3 * 16 - 4 and 3 not in {classes[e[1]] for e in reads}, "the rest at the normal class"
-    assert len(aheads) == 1 and aheads[0].bytes_read == 3 * (64 << 10), "the source read ahead through the tree"
+    assert len(reads) == 3 * 16 - len(before), "every byte hashed once"
+    assert 3 not in {classes[e[1]] for e in reads}, "the rest at the normal class"
     assert not any(t.name == "transformd-read-ahead" for t in threading.enumerate())
 
 

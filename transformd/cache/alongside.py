@@ -88,12 +88,14 @@ class Hasher:
     daemon's 21 s, whose hashing and conversion go side by side), and for a source larger than the page cache its
     pages would be gone before the conversion reads them. Whoever waits for the result lifts the pace.
 
-    Until the conversion's first progress update (its start-up: imports, CUDA, the kernel's load) the hashing's
-    reads wait in the idle I/O class, so that the imports' own reads go first (on the H200 machine a cold ``convert
-    --cache-dir`` imported torch in 14.0 s with them at the normal class, ``convert --out`` in 11.8 s), and a
-    :class:`~transformd.readahead.ReadAhead` reads the source meanwhile too: the hashing's readers take the GIL,
-    which the imports hold, for each slice, the read-ahead does not, and the hashing then finds those pages in the
-    page cache."""
+    Until the conversion's first progress update (its start-up: imports, CUDA, the kernel's load) a
+    :class:`~transformd.readahead.ReadAhead` (one per process) reads the source into the page cache, and the
+    hashing waits: its readers take the GIL for each slice, which the imports hold, and BLAKE3 takes every core,
+    the read-ahead needs neither (on the H200 machine, with the source in the page cache, a ``convert --cache-dir``
+    whose hashing ran during the start-up imported torch at 5.0 s, ``convert --out`` at 3.2-4.4 s); the hashing
+    then finds those pages in the page cache. Without the read-ahead (another conversion of the process holds it)
+    the hashing reads during the start-up, in the idle I/O class, so that the imports' own reads go first (a cold
+    ``convert --cache-dir`` imported torch in 14.0 s with them at the normal class, ``convert --out`` in 11.8 s)."""
 
     def __init__(self, cache: AlongsideMixin, tree: SourceTree, recipe: Recipe, known: SourceIdentity | None,
                  lead: int):
@@ -141,7 +143,9 @@ class Hasher:
         """Wait while reading up to ``upto`` bytes would take the hashing more than ``lead`` past the conversion;
         whether to read at the idle I/O class (the conversion has not started)."""
         with self._paced:
-            while upto > self._converted + self._lead and not self._unpaced:
+            # (while a read-ahead reads for it, the start-up's hashing would only take the cores from the imports)
+            while (upto > self._converted + self._lead or (self._ahead is not None and not self._started)) \
+                    and not self._unpaced:
                 self._paced.wait()
         if self._stop.is_set():
             raise HashingCancelled(f"hashing {self._tree.src} was stopped")
@@ -158,6 +162,7 @@ class Hasher:
         normal I/O class."""
         with self._paced:
             self._started, ahead = True, self._ahead if not self._started else None
+            self._paced.notify_all()
         if ahead is not None:
             ahead.stop()
             _read_ahead_slot.release()  # (another conversion's start may read ahead while this one's last slice ends)
