@@ -54,6 +54,7 @@ def driver(monkeypatch) -> list[_FakeDriver]:
 
     monkeypatch.setattr(ctypes, "CDLL", load)
     monkeypatch.setattr(cuda_start, "_torch_has_cuda", lambda: True)
+    monkeypatch.setattr(cuda_start, "_prime_triton", lambda: loaded[0].calls.append(("prime triton",)))
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     return loaded
 
@@ -70,6 +71,8 @@ def test_it_retains_the_primary_contexts_of_the_gpus_the_conversion_uses(driver,
     start_cuda(device, shards).join(30)
     assert driver[0].calls[0] == ("cuInit", 0)
     assert _retained(driver[0]) == retained
+    assert driver[0].calls[-1] == ("prime triton",), "then Triton's key, once"
+    assert driver[0].calls.count(("prime triton",)) == 1
     assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"  # set before cuInit reads it, as torch does before its own
 
 
@@ -90,6 +93,7 @@ def test_no_driver_or_one_that_refuses_is_no_error(driver):
     driver[0] = _FakeDriver(devices=0)
     start_cuda("cuda", 2).join(30)
     assert not _retained(driver[0])
+    assert ("prime triton",) not in driver[0].calls, "no GPU to run Triton's kernel on: its key is not computed"
 
 
 def test_it_knows_a_cuda_build_of_torch_without_importing_it():
@@ -99,3 +103,16 @@ def test_it_knows_a_cuda_build_of_torch_without_importing_it():
     assert done.returncode == 0, done.stderr
     found, built = done.stdout.split()
     assert found == built
+
+
+def test_triton_s_key_is_computed_once_for_the_process_without_torch():
+    """What the thread does after the contexts: Triton's key of its build, kept for the kernel's first load, and no
+    torch imported (the thread runs while the main thread imports it)."""
+    pytest.importorskip("triton")
+    code = ("import sys\nfrom transformd.cuda_start import _prime_triton\n_prime_triton()\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\nfrom triton.runtime.cache import triton_key\n"
+            "info = triton_key.cache_info()\nassert (info.misses, info.currsize) == (1, 1), info\n"
+            "key = triton_key()\nimport triton\n"
+            "assert triton_key.cache_info().hits == 1 and key.startswith(triton.__version__)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
