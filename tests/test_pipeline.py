@@ -165,6 +165,30 @@ def test_batches_of_many_small_weights_byte_identical(tmp_path: Path, monkeypatc
     assert sum(batches) >= weights and max(batches) > 1, batches  # (pieces: some weights cut in rows)
 
 
+def test_the_engine_report_is_made_while_the_shards_are_written_unless_an_engine_is_checked(tmp_path: Path,
+                                                                                           monkeypatch) -> None:
+    """Without ``engine`` the report of the engines' readiness is made on a thread beside the writing (the first
+    write does not wait for it) and is the same report; with ``engine`` it is made first, before any file of the
+    output exists, so that a refusal writes nothing."""
+    src = sample(tmp_path / "src")
+    made: list[tuple[str, bool]] = []
+    real = checkpoint_convert.plan_readiness
+
+    def readiness(plan, target):
+        made.append((threading.current_thread().name, sorted(p.name for p in tmp_path.iterdir())))
+        return real(plan, target)
+
+    monkeypatch.setattr(checkpoint_convert, "plan_readiness", readiness)
+    result = convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu")
+    assert len(made) == 1 and made[0][0].startswith("transformd-readiness")
+    assert result.readiness == real(plan_conversion(src), Target.OCP)
+    assert not result.readiness["vllm"].loads, "(the sample's shapes: vLLM is refused below)"
+    with pytest.raises(CheckpointError, match="vllm could not load"):
+        convert_checkpoint(src, tmp_path / "out2", target="ocp", device="cpu", engine="vllm")
+    assert made[1] == (threading.current_thread().name, ["out", "src"]), "made first, on the caller's thread"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"], "the refusal wrote nothing"
+
+
 def test_the_kernel_warm_up_is_for_gpus_only_and_never_raises(monkeypatch) -> None:
     """``warm_up`` loads the converters' kernel on each GPU before the first batch comes (the GPU suite checks that
     a conversion after it compiles and loads nothing new). It launches nothing for the CPU and starts no thread
