@@ -85,7 +85,8 @@ def child(t0: float, argv: list[str]) -> None:
     """Run ``transformd ARGV`` in this process with its phases on standard error (``@ seconds what``)."""
 
     def log(what: str) -> None:
-        print(f"@ {time.time() - t0:7.3f} {what}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"@ {time.time() - t0:7.3f} {what}\n")  # (one write: stamps come from several threads)
+        sys.stderr.flush()
 
     seen: set[str] = set()
 
