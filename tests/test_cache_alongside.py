@@ -397,15 +397,18 @@ def _read_ahead_elsewhere() -> Iterator[None]:
         alongside._read_ahead_slot.release()
 
 
-def test_a_conversion_that_reports_no_progress_still_gets_its_key(tmp_path, hash_reads):
+@pytest.mark.parametrize("read_ahead", [False, True], ids=["read-ahead-held-elsewhere", "read-ahead"])
+def test_a_conversion_that_reports_no_progress_still_gets_its_key(tmp_path, hash_reads, read_ahead):
     """The pace is lifted once the conversion waits for the key: a converter that never reports bytes does not
-    leave the hashing stuck at its lead."""
+    leave the hashing stuck at its lead (or, while its read-ahead runs, before its first byte)."""
     events, lock, _ = hash_reads
-    with _read_ahead_elsewhere():  # (so that the hashing reads up to its lead before the conversion ends)
-        _, events = _convert_paced(tmp_path, _PacedCopy(events, lock, report=False), events)
+    with contextlib.nullcontext() if read_ahead else _read_ahead_elsewhere():
+        _, events = _convert_paced(tmp_path, _PacedCopy(events, lock, report=False, hashed_first=not read_ahead),
+                                   events)
     reads = [n for kind, n in events if kind == "read"]
     end = events.index(("end", 3 * (64 << 10)))
-    assert max(n for kind, n in events[:end] if kind == "read") == 16 << 10, "paced at its lead until then"
+    before = [n for kind, n in events[:end] if kind == "read"]
+    assert before == ([] if read_ahead else [4096, 8192, 12288, 16 << 10]), "paced until the conversion's end"
     assert reads[-1] == 3 * (64 << 10)
 
 

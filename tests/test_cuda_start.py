@@ -6,11 +6,14 @@ import ctypes
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from transformd import cuda_start
 from transformd.cuda_start import start_cuda
+
+_PRIME_BESIDE = cuda_start._prime_triton_beside  # (the driver fixture replaces it)
 
 
 class _FakeDriver:
@@ -54,7 +57,7 @@ def driver(monkeypatch) -> list[_FakeDriver]:
 
     monkeypatch.setattr(ctypes, "CDLL", load)
     monkeypatch.setattr(cuda_start, "_torch_has_cuda", lambda: True)
-    monkeypatch.setattr(cuda_start, "_prime_triton", lambda: loaded[0].calls.append(("prime triton",)))
+    monkeypatch.setattr(cuda_start, "_prime_triton_beside", lambda: loaded[0].calls.append(("prime triton",)))
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     return loaded
 
@@ -96,6 +99,22 @@ def test_no_driver_or_one_that_refuses_is_no_error(driver):
     assert ("prime triton",) not in driver[0].calls, "no GPU to run Triton's kernel on: its key is not computed"
 
 
+def test_triton_s_key_is_not_waited_for(driver, monkeypatch):
+    """The caller joins the contexts' thread only (at the end of a conversion, or when it fails early): Triton's
+    import and key go on beside it, on a thread of their own."""
+    driver.append(_FakeDriver(devices=1))
+    began, release = threading.Event(), threading.Event()
+    monkeypatch.setattr(cuda_start, "_prime_triton_beside", _PRIME_BESIDE)
+    monkeypatch.setattr(cuda_start, "_prime_triton", lambda: (began.set(), release.wait(30)))
+    try:
+        thread = start_cuda("cuda", 1)
+        thread.join(10)
+        assert not thread.is_alive() and _retained(driver[0]) == [0]
+        assert began.wait(10) and any(t.name == "transformd-triton-key" for t in threading.enumerate())
+    finally:
+        release.set()
+
+
 def test_it_knows_a_cuda_build_of_torch_without_importing_it():
     code = ("import sys\nfrom transformd.cuda_start import _torch_has_cuda\nfound = _torch_has_cuda()\n"
             "assert 'torch' not in sys.modules\nimport torch\nprint(found, torch.version.cuda is not None)")
@@ -108,9 +127,11 @@ def test_it_knows_a_cuda_build_of_torch_without_importing_it():
 def test_triton_s_key_is_computed_once_for_the_process_without_torch():
     """What the thread does after the contexts: Triton's key of its build, kept for the kernel's first load, and no
     torch imported (the thread runs while the main thread imports it)."""
-    pytest.importorskip("triton")
-    code = ("import sys\nfrom transformd.cuda_start import _prime_triton\n_prime_triton()\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\nfrom triton.runtime.cache import triton_key\n"
+    triton_key = cuda_start._triton_key()
+    if triton_key is None or not hasattr(triton_key, "cache_info"):
+        pytest.skip("no Triton here, or one whose triton_key is not kept for the process")
+    code = ("import sys\nfrom transformd.cuda_start import _prime_triton, _triton_key\n_prime_triton()\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\ntriton_key = _triton_key()\n"
             "info = triton_key.cache_info()\nassert (info.misses, info.currsize) == (1, 1), info\n"
             "key = triton_key()\nimport triton\n"
             "assert triton_key.cache_info().hits == 1 and key.startswith(triton.__version__)\n")

@@ -8,8 +8,9 @@ allocation took 0.02 s instead of 0.30-0.38 s). Only the GPUs the conversion wil
 GPU memory until the process ends). Best effort: where there is no NVIDIA driver (a CPU machine, ROCm), or it
 refuses, nothing happens and torch starts CUDA itself, reporting any error. No torch here.
 
-The same thread then computes Triton's key of its own build (:func:`_prime_triton`), which the kernel's first load
-would otherwise compute while the conversion's first batch waits.
+Once the driver gave a context, another thread computes Triton's key of its own build (:func:`_prime_triton`),
+which the kernel's first load would otherwise compute while the conversion's first batch waits; it is not waited
+for (a conversion that ends early does not wait for Triton's import).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ctypes
 import importlib.util
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 #: The driver library (libcuda, as the CUDA runtime loads it).
@@ -49,7 +51,11 @@ def _torch_has_cuda() -> bool:
 
 def _start(most: int) -> None:
     if _retain_primary_contexts(most):
-        _prime_triton()
+        _prime_triton_beside()
+
+
+def _prime_triton_beside() -> None:
+    threading.Thread(target=_prime_triton, name="transformd-triton-key", daemon=True).start()
 
 
 def _retain_primary_contexts(most: int) -> bool:
@@ -72,15 +78,28 @@ def _retain_primary_contexts(most: int) -> bool:
 
 
 def _prime_triton() -> None:
-    """Compute ``triton.runtime.cache.triton_key()``, Triton's key of its own build: a SHA-256 of libtriton and
-    of its compiler's sources, which every process computes once, at its first kernel launch (0.37 s of the
-    kernel's 0.53 s load on the H200 machine, while the conversion's first batch waits for that load). Here, while
-    torch is imported, it costs that import little: hashlib releases the GIL as it hashes. Importing Triton does
-    not import torch. Best effort, and only where the key is kept for the process (an ``lru_cache``)."""
+    """Compute ``triton_key()``, Triton's key of its own build: a SHA-256 of libtriton and of its compiler's
+    sources, which every process computes once, at its first kernel launch (0.37 s of the kernel's 0.53 s load on
+    the H200 machine, while the conversion's first batch waits for that load). Here it runs while torch is
+    imported: the hashing releases the GIL, Triton's import (and the subpackages its key walks) takes it from
+    torch's import, work the kernel's load would have done anyway. Importing Triton does not import torch. Best
+    effort, and only where the key is kept for the process (an ``lru_cache``)."""
     try:
-        from triton.runtime.cache import triton_key
-
-        if hasattr(triton_key, "cache_info"):
+        triton_key = _triton_key()
+        if triton_key is not None and hasattr(triton_key, "cache_info"):
             triton_key()
     except Exception:  # noqa: BLE001, S110 - the kernel's load computes it (and meets any error) itself
         pass
+
+
+def _triton_key() -> Callable[[], str] | None:
+    """Triton's ``triton_key`` (in ``triton.runtime.cache``; in ``triton.compiler.compiler`` in older releases),
+    or None without Triton."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:
+            return None
+    return triton_key

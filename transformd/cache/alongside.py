@@ -4,8 +4,9 @@ A source whose files the stat cache does not know must be read to be keyed. Hash
 afterwards reads it twice (the second time from the page cache at best) and serialises the two. Instead, one thread
 hashes while the conversion runs (:meth:`AlongsideMixin._convert_while_hashing`) on the same checked descriptors:
 whichever of the two reads a page first reads it from the disk, the other from the page cache, and the key is known
-by the time the conversion ends (when the converter starts late, the hasher runs ahead; when both start together,
-as in the daemon, they read the files side by side and the key comes near the end). The entry is published under
+by the time the conversion ends (the hasher starts with the conversion's first progress update, while a read-ahead
+reads the source during the conversion's start-up; then they read the files side by side and the key comes near
+the end). The entry is published under
 it, unless an entry already has it (another copy of the same content): the conversion then stops as soon as the key
 is known, its staging is removed, and that entry is returned. While the key is unknown the conversion goes by a
 provisional, key-shaped name (:func:`.keys.provisional_key`: the directory, its files' stat signatures, the
@@ -82,11 +83,11 @@ class Hasher:
     key there waits for this conversion instead of starting its own.
 
     Paced: it reads at most ``lead`` bytes past the input the conversion has finished (the ``bytes_done`` of its
-    progress). So it reads ahead while the conversion starts (a cold process imports torch meanwhile), and then at
-    the conversion's pace: a hashing that ran on alone would take the disk from the conversion's writes (on the
-    H200 machine it read 16 GiB in 13 s while the writes waited, and the whole conversion took 25-28 s against the
-    daemon's 21 s, whose hashing and conversion go side by side), and for a source larger than the page cache its
-    pages would be gone before the conversion reads them. Whoever waits for the result lifts the pace.
+    progress), so it goes at the conversion's pace: a hashing that ran on alone would take the disk from the
+    conversion's writes (on the H200 machine it read 16 GiB in 13 s while the writes waited, and the whole
+    conversion took 25-28 s against the daemon's 21 s, whose hashing and conversion go side by side), and for a
+    source larger than the page cache its pages would be gone before the conversion reads them. Whoever waits for
+    the result lifts the pace.
 
     Until the conversion's first progress update (its start-up: imports, CUDA, the kernel's load) a
     :class:`~transformd.readahead.ReadAhead` (one per process) reads the source into the page cache, and the
@@ -110,7 +111,13 @@ class Hasher:
         self._paced = threading.Condition()
         # one read-ahead at a time in a process (a daemon's concurrent cold starts would each read up to an eighth
         # of the memory ahead); stopped when the conversion begins, and joined before the tree closes
-        self._ahead = ReadAhead(_shards(tree)) if _read_ahead_slot.acquire(blocking=False) else None
+        self._ahead: ReadAhead | None = None
+        if _read_ahead_slot.acquire(blocking=False):
+            try:
+                self._ahead = ReadAhead(_shards(tree))
+            except BaseException:
+                _read_ahead_slot.release()  # (kept, every later conversion of the process would go without)
+                raise
         self._thread = threading.Thread(target=self._run, name="transformd-hash", daemon=True)
         try:
             self._thread.start()
@@ -162,9 +169,10 @@ class Hasher:
         normal I/O class."""
         with self._paced:
             self._started, ahead = True, self._ahead if not self._started else None
+            if ahead is not None:
+                ahead.stop()  # (told before the hashing wakes to read)
             self._paced.notify_all()
         if ahead is not None:
-            ahead.stop()
             _read_ahead_slot.release()  # (another conversion's start may read ahead while this one's last slice ends)
 
     def _join_read_ahead(self) -> None:

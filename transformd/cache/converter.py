@@ -20,7 +20,9 @@ class Converter(Protocol):
     the staging directory that holds ``out``: a converter neither stages nor renames). It calls
     ``progress(update)`` as it goes (any JSON-able object, a dataclass or a dict). Its return
     value (e.g. a ConversionResult) is summarised into the manifest's ``result``. It raises on
-    invalid input; the cache removes everything it wrote.
+    invalid input; the cache removes everything it wrote. A source new to the cache is hashed beside its conversion,
+    from the conversion's first progress update on, at the pace of its ``bytes_done`` (:mod:`.alongside`): a
+    converter that reports none gets its key only once it has returned.
 
     A converter may also have a ``prepare(recipe)`` method: the cache calls it before it starts hashing a source it
     converts while hashing (:mod:`.alongside`), so that a slow start-up (imports, a GPU context, loading the
@@ -63,9 +65,9 @@ class TransformdConverter:
         """Start importing what the conversion needs in a background thread (once per process), and loading the
         kernel of ``recipe`` (the first recipe's: others load theirs when they first convert).
 
-        The cache calls this before it hashes a source it converts alongside the hashing: the hashing releases
-        the GIL, so the seconds of ``import torch``, CUDA's start-up and the kernel's load pass while the source is
-        read, not after.
+        The cache calls this before it hashes a source it converts alongside the hashing (the daemon, when a
+        request comes), so that the seconds of ``import torch``, CUDA's start-up and the kernel's load pass while
+        the source is checked and read ahead (:mod:`.alongside`), not after.
         """
         global _warming
         with _warming_lock:

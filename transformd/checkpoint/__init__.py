@@ -33,10 +33,11 @@ an ``fp8`` output must hold nothing MX and no FP8 weight without its block scale
 ``select`` (a regular expression, RE2's ``search`` on the weight name) must match
 every MXFP8 weight; one it would leave out is refused for the same reason.
 
-Before anything is written, :func:`plan_readiness` computes from shapes and
-config at which tensor-parallel sizes vLLM, SGLang and transformers load the
-output (:mod:`transformd.engines`); with ``engine`` a checkpoint that engine
-could not load at all is refused.
+:func:`plan_readiness` computes from shapes and config at which
+tensor-parallel sizes vLLM, SGLang and transformers load the output
+(:mod:`transformd.engines`), beside the writing; with ``engine`` it is computed
+before anything is written, and a checkpoint that engine could not load at all
+is refused.
 
 Output (shared/DESIGN.md, "Output" and "config.json"):
 
