@@ -15,6 +15,7 @@ for (a conversion that ends early does not wait for Triton's import).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -55,7 +56,9 @@ def _start(most: int) -> None:
 
 
 def _prime_triton_beside() -> None:
-    threading.Thread(target=_prime_triton, name="transformd-triton-key", daemon=True).start()
+    """:func:`_prime_triton` on a thread of its own, which nobody waits for."""
+    with contextlib.suppress(RuntimeError):  # (no new thread while the interpreter ends)
+        threading.Thread(target=_prime_triton, name="transformd-triton-key", daemon=True).start()
 
 
 def _retain_primary_contexts(most: int) -> bool:
