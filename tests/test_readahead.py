@@ -213,8 +213,8 @@ def test_a_cold_convert_reads_ahead_while_torch_is_imported(tmp_path, where):
     """The read-ahead starts before torch is imported and stops at the conversion's first progress, CUDA is started
     (for the device asked: nothing for the CPU) before torch is imported too; the output is right. Into the cache:
     a source the cache already knows (keyed by the stat cache, converted with a second target), and one new to it,
-    hashed beside its conversion: there the hashing reads ahead (its own readers wait for the GIL the import holds),
-    not the command."""
+    hashed beside its conversion: there the hashing's read-ahead reads (the hashing itself waits for the
+    conversion's first update), not the command's."""
     src = write_checkpoint(tmp_path / "src")
     for f in src.rglob("*"):  # older than the stat cache's racy window, so that the first run's digests are kept
         os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))

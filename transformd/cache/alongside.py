@@ -5,15 +5,15 @@ afterwards reads it twice (the second time from the page cache at best) and seri
 hashes while the conversion runs (:meth:`AlongsideMixin._convert_while_hashing`) on the same checked descriptors:
 whichever of the two reads a page first reads it from the disk, the other from the page cache, and the key is known
 by the time the conversion ends (the hasher starts with the conversion's first progress update, while a read-ahead
-reads the source during the conversion's start-up; then they read the files side by side and the key comes near
-the end). The entry is published under
-it, unless an entry already has it (another copy of the same content): the conversion then stops as soon as the key
-is known, its staging is removed, and that entry is returned. While the key is unknown the conversion goes by a
-provisional, key-shaped name (:func:`.keys.provisional_key`: the directory, its files' stat signatures, the
-recipe), so staging, locks, progress, reservations, failure records and cleanup work as for a key: a second request
-for the same unchanged directory waits for it and then finds the entry through the stat cache. That is why only a
-source whose files are all older than the stat cache's racy window (:func:`.keys.settled`) goes this way: a file
-written moments ago is never remembered, and later requests would convert it again instead of finding it.
+reads the source during the conversion's start-up; then they read the files side by side and the key comes near the
+end). The entry is published under it, unless an entry already has it (another copy of the same content): the
+conversion then stops as soon as the key is known, its staging is removed, and that entry is returned. While the key
+is unknown the conversion goes by a provisional, key-shaped name (:func:`.keys.provisional_key`: the directory, its
+files' stat signatures, the recipe), so staging, locks, progress, reservations, failure records and cleanup work as
+for a key: a second request for the same unchanged directory waits for it and then finds the entry through the stat
+cache. That is why only a source whose files are all older than the stat cache's racy window (:func:`.keys.settled`)
+goes this way: a file written moments ago is never remembered, and later requests would convert it again instead of
+finding it.
 """
 
 from __future__ import annotations
