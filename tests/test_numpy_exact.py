@@ -1,0 +1,109 @@
+"""The NumPy exact-mode conversion (transformd.numpy_exact, what the head start converts with) against torch's own
+cast and the reference, bit for bit: random data, the awkward cases, slices of a matrix, and invalid values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from transformd import numpy_exact
+from transformd.numpy_exact import D_MAX, D_MIN, convert_exact, e4m3fn_code, e4m3fn_value, table
+from transformd.reference import convert_reference
+
+from .support.kernel_cases import AWKWARD, invalid_cases, random_mx
+
+TARGETS = ["fnuz", "ocp"]
+ALL_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+FINITE = (ALL_CODES & 0x7F) != 0x7F
+
+
+def test_values_and_codes_round_trip_through_torch():
+    values = ALL_CODES.view(torch.float8_e4m3fn).to(torch.float64)
+    for code in range(256):
+        if code & 0x7F != 0x7F:
+            assert e4m3fn_value(code) == values[code].item() and np.signbit(e4m3fn_value(code)) == bool(code & 0x80)
+            assert e4m3fn_code(e4m3fn_value(code)) == code
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_table_is_torchs_cast_of_every_code_at_every_shift(target):
+    """Every entry an input can reach (|value| * 2**d <= 448) is what torch's float32 -> e4m3fn cast gives."""
+    rows = table(target == "fnuz")
+    for i, d in enumerate(range(D_MIN, D_MAX + 1)):
+        scaled = ALL_CODES.view(torch.float8_e4m3fn).to(torch.float32) * 2.0**d
+        want = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+        if target == "fnuz":
+            want = torch.where(want == 0x80, torch.zeros_like(want), want)
+        reachable = FINITE & (scaled.abs() <= 448)
+        got = torch.from_numpy(rows[i].copy())
+        assert torch.equal(got[reachable], want[reachable]), f"d = {d}"
+    assert not rows.flags.writeable
+
+
+def test_shifts_beyond_the_table_give_what_its_last_rows_give():
+    """Below D_MIN every value rounds to a signed zero (as the first row says); D_MAX bounds a nonzero block."""
+    assert {int(c) for c in table(False)[0]} <= {0x00, 0x80, 0x7E, 0xFE}  # (0x7E/0xFE: the NaN codes' slots)
+    smallest_nonzero = 2.0**-9 * 2.0**D_MAX
+    assert smallest_nonzero <= 448 < smallest_nonzero * 2
+
+
+def assert_like_reference(q: torch.Tensor, s: torch.Tensor, target: str) -> None:
+    want_q, want_s = convert_reference(q, s, target, "exact")
+    q3, s3 = (q, s) if q.dim() == 3 else (q[None], s[None])
+    want_q, want_s = (want_q, want_s) if q.dim() == 3 else (want_q[None], want_s[None])
+    for i in range(q3.shape[0]):
+        got = convert_exact(q3[i].numpy(), s3[i].numpy(), fnuz=target == "fnuz")
+        assert got is not None
+        got_q, got_s = got
+        np.testing.assert_array_equal(got_q, want_q[i].numpy())
+        np.testing.assert_array_equal(got_s.view(np.uint32), want_s[i].numpy().view(np.uint32))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", ["random", "random, every scale", *AWKWARD])
+def test_matches_reference(case, target):
+    if case == "random":
+        q, s = random_mx((2, 257, 416), seed=3)
+    elif case == "random, every scale":  # (codes below 2.0 keep even 2**127 finite)
+        q, s = random_mx((2, 300, 512), lo=0, hi=255, seed=9)
+        q &= 0xBF
+    else:
+        q, s = AWKWARD[case]
+    assert_like_reference(q, s, target)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", [(1, 32), (5, 96), (128, 128), (129, 4096), (1000, 160)])
+def test_shapes_not_multiples_of_128_and_the_index_chunks(shape, target, monkeypatch):
+    monkeypatch.setattr(numpy_exact, "_INDEX_BYTES", 3000)  # several lookups per matrix, the last one partial
+    q, s = random_mx(shape, lo=100, hi=150, seed=sum(shape))
+    assert_like_reference(q, s, target)
+
+
+def test_bands_of_whole_tiles_convert_like_the_whole_matrix():
+    q, s = random_mx((700, 256), seed=11)
+    whole_q, whole_s = convert_exact(q.numpy(), s.numpy(), fnuz=True)
+    for r0 in range(0, 700, 256):
+        part = convert_exact(q[r0 : r0 + 256].numpy(), s[r0 : r0 + 256].numpy(), fnuz=True)
+        np.testing.assert_array_equal(part[0], whole_q[r0 : r0 + 256])
+        np.testing.assert_array_equal(part[1], whole_s[r0 // 128 : r0 // 128 + 2])
+
+
+def test_in_place():
+    q, s = random_mx((300, 256), seed=12)
+    want = convert_exact(q.numpy(), s.numpy(), fnuz=False)
+    codes = q.numpy().copy()
+    got = convert_exact(codes, s.numpy(), fnuz=False, out=codes)
+    assert got[0] is codes
+    np.testing.assert_array_equal(codes, want[0])
+
+
+@pytest.mark.parametrize("case", list(invalid_cases()))
+def test_invalid_values_are_refused(case):
+    q, s, _ = invalid_cases()[case]
+    results = [convert_exact(q[i].numpy(), s[i].numpy(), fnuz=True) for i in range(q.shape[0])]
+    assert any(r is None for r in results)
+    valid = [i for i, r in enumerate(results) if r is not None]
+    for i in valid:  # (the other matrix of the case is valid, and converts like the reference)
+        assert_like_reference(q[i], s[i], "fnuz")

@@ -1,0 +1,119 @@
+"""The exact scale mode in NumPy, without torch: what a head start converts with while torch is imported.
+
+In the exact mode a tile's scale is a power of two, ``2**E``, so an element's converted code depends only on its
+code ``q`` and on ``d = s - 127 - E`` (its 32-block's E8M0 byte ``s`` against its tile's exponent): it is
+``e4m3fn(value(q) * 2**d)``, rounded to nearest even. One table row per ``d`` holds that for every code, so
+converting is a table lookup per element; the tile's ``E`` comes from the largest magnitude code of each block.
+Bit for bit the reference's conversion (:func:`transformd.reference.convert_reference`, ``scale_mode="exact"``):
+
+* the reference decodes ``value(q) * 2**(s - 127)`` in float32 exactly (4 significant bits, at least ``2**-136``)
+  and divides by ``2**E`` exactly, except where the quotient falls below float32's normals; those quotients are
+  below ``2**-126``, far under half of e4m3fn's smallest subnormal, and round to a signed zero either way;
+* a block with a nonzero code has ``d <= 17`` (its largest value is at most the tile's amax <= ``448 * 2**E``, and
+  its largest code at least ``2**-9``); ``d <= -19`` leaves every code below ``2**-10`` (a signed zero); an
+  all-zero block maps to signed zeros at any ``d``. So rows for ``d`` in [-19, 17] cover every input.
+
+``tests/test_numpy_exact.py`` checks the table against torch's own cast and the conversion against the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from .formats import E8M0_BIAS, E8M0_NAN, MX_BLOCK, TILE, tile_grid
+
+#: Shifts ``d`` that have a row in the table (smaller ones take the first row, larger ones the last).
+D_MIN, D_MAX = -19, 17
+#: Bytes of table indices made at once: a lookup from an index array in the core's cache ran 2x faster.
+_INDEX_BYTES = 1 << 20
+
+
+def e4m3fn_value(code: int) -> float:
+    """The exact value of a finite e4m3fn code (0x7F and 0xFF are NaN: not asked for)."""
+    e, m = (code >> 3) & 0xF, code & 0x7
+    magnitude = math.ldexp(m, -9) if e == 0 else math.ldexp(8 + m, e - 10)
+    return -magnitude if code & 0x80 else magnitude
+
+
+def e4m3fn_code(x: float) -> int:
+    """``x`` rounded to the nearest e4m3fn code, ties to even, as torch casts float32; beyond 448 (which no valid
+    input reaches) the largest code, as torch's CPU cast saturates."""
+    sign = 0x80 if math.copysign(1.0, x) < 0 else 0
+    a = abs(x)
+    if a < math.ldexp(1.0, -6):  # subnormal: a multiple of 2**-9 (8 of them: the first normal, code 0x08)
+        return sign | round(math.ldexp(a, 9))  # (round: ties to even; the product is exact)
+    _, e = math.frexp(a)  # a = f * 2**e, f in [0.5, 1)
+    e -= 1  # a in [2**e, 2**(e + 1)): e4m3fn's exponent; 8 steps of 2**(e - 3) per binade
+    q = round(math.ldexp(a, 3 - e))  # 8..16
+    if q == 16:
+        e, q = e + 1, 8
+    if e > 8 or (e == 8 and q > 14):
+        return sign | 0x7E
+    return sign | ((e + 7) << 3) | (q - 8)
+
+
+@functools.cache
+def table(fnuz: bool) -> np.ndarray:
+    """uint8 [D_MAX - D_MIN + 1, 256]: row ``d - D_MIN`` is every code's conversion at shift ``d``; FNUZ maps the
+    negative zero (0x80, NaN in FNUZ) to 0x00 (its scale doubles, so every other code means the same)."""
+    rows = np.zeros((D_MAX - D_MIN + 1, 256), dtype=np.uint8)
+    for i, d in enumerate(range(D_MIN, D_MAX + 1)):
+        for code in range(256):
+            if code & 0x7F != 0x7F:  # (NaN codes are refused before a lookup)
+                rows[i, code] = e4m3fn_code(math.ldexp(e4m3fn_value(code), d))
+    if fnuz:
+        rows[rows == 0x80] = 0
+    rows.setflags(write=False)
+    return rows
+
+
+@functools.cache
+def _magnitudes() -> np.ndarray:
+    """float64 value of every magnitude code 0..127 (0x7F, NaN, as 0: refused before it is used)."""
+    return np.array([0.0 if c == 0x7F else e4m3fn_value(c) for c in range(128)], dtype=np.float64)
+
+
+def convert_exact(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Convert an MXFP8 matrix in the exact scale mode: uint8 ``codes`` [N, K] (K a multiple of 32) and their E8M0
+    ``scales`` [N, K/32] -> (uint8 codes [N, K], into ``out`` when given; float32 scale_inv [ceil(N/128),
+    ceil(K/128)]). Tiles start at row 0: a slice of a larger matrix converts alike when it starts at a multiple
+    of 128 rows.
+
+    None when a value is invalid (a NaN code, an E8M0 NaN byte, a value not finite in float32): the caller leaves
+    that weight to the torch path, whose error names it.
+    """
+    n, k = codes.shape
+    groups = k // MX_BLOCK
+    biggest = np.bitwise_and(codes, 0x7F).reshape(n * groups, MX_BLOCK).max(axis=1).reshape(n, groups)
+    if (biggest == 0x7F).any() or (scales == E8M0_NAN).any():
+        return None
+    block_max = _magnitudes()[biggest] * np.exp2(scales.astype(np.float64) - E8M0_BIAS)  # exact in float64
+    if (block_max >= 2.0**128).any():  # not finite in float32
+        return None
+    tiles_n, tiles_k = tile_grid(n, k)
+    per_tile = TILE // MX_BLOCK
+    by_row = np.zeros((tiles_n * TILE, tiles_k * per_tile))  # (zero rows and blocks pad the partial tiles)
+    by_row[:n, :groups] = block_max
+    by_row = by_row.reshape(tiles_n * TILE, tiles_k, per_tile).max(axis=2)
+    amax = by_row.reshape(tiles_n, TILE, tiles_k).max(axis=1)
+    mant, exp = np.frexp(amax)  # amax = mant * 2**exp; 448 * 2**E = 0.875 * 2**(E + 9)
+    e = np.where(amax == 0, 0, np.where(mant <= 0.875, exp - 9, exp - 8)).astype(np.int16)
+    scale_inv = np.ldexp(np.float64(2.0) if fnuz else np.float64(1.0), e).astype(np.float32)
+    e_of_block = np.repeat(np.repeat(e, TILE, axis=0)[:n], per_tile, axis=1)[:, :groups]
+    d = scales.astype(np.int16) - (E8M0_BIAS + D_MIN) - e_of_block
+    row = np.left_shift(np.clip(d, 0, D_MAX - D_MIN).astype(np.uint16), 8)[:, :, None]
+    if out is None:
+        out = np.empty((n, k), dtype=np.uint8)
+    lookup = table(fnuz).reshape(-1)
+    blocks, converted = codes.reshape(n, groups, MX_BLOCK), out.reshape(n, groups, MX_BLOCK)
+    step = max(1, _INDEX_BYTES // (2 * k))  # rows whose uint16 indices stay in the core's cache
+    index = np.empty((min(step, n), groups, MX_BLOCK), dtype=np.uint16)
+    for r in range(0, n, step):
+        part = index[: min(step, n - r)]
+        np.bitwise_or(row[r : r + step], blocks[r : r + step], out=part)
+        np.take(lookup, part, out=converted[r : r + step], mode="clip")
+    return out, scale_inv
