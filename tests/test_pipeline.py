@@ -223,7 +223,7 @@ def test_convert_checkpoint_warms_the_recipes_kernel_and_waits_for_it(tmp_path: 
         threads[-1].start()
         return threads[-1]
 
-    monkeypatch.setattr(checkpoint_convert, "start_warm_up", start)
+    monkeypatch.setattr(pieces, "start_warm_up", start)
     convert_checkpoint(src, tmp_path / "out", target="ocp", scale_mode="amax", device="cpu")
     assert started == [([torch.device("cpu")], Target.OCP, ScaleMode.AMAX, False)]
     assert not threads[-1].is_alive()
@@ -248,7 +248,7 @@ def test_several_devices_byte_identical(tmp_path: Path, monkeypatch) -> None:
         assignments.append([[s.name for s in g] for g in groups])
         return groups
 
-    monkeypatch.setattr(checkpoint_convert, "conversion_devices", lambda device: [torch.device("cpu")] * 3)
+    monkeypatch.setattr(pipeline, "conversion_devices", lambda device: [torch.device("cpu")] * 3)
     monkeypatch.setattr(pipeline, "_assign_shards", spy)
     seen: list[Progress] = []
     result = convert_checkpoint(src, tmp_path / "out", device="cpu", progress=seen.append,

@@ -262,8 +262,11 @@ def summary(result: Any, where: str, *, how: str = "converted", timings: dict[st
     busy = get("stage_busy", None) or {}
     if busy:
         steps += " [busy: " + ", ".join(f"{k} {v:.1f} s" for k, v in busy.items()) + "]"
+    early = _listed(get("head_start_shards", None) or [])
+    device = str(get("device", "?"))
+    if early:
+        device += f" ({early} of {_listed(get('shards', None) or [])} shards on the CPU while torch was imported)"
     return (
         f"transformd: {how} {human_bytes(data)} ({counted}{converted} MXFP8 weights converted) in {seconds:.1f} s"
-        f"{steps}{rate}; target {get('target', '?')}, scale mode {get('scale_mode', '?')}, on {get('device', '?')}; "
-        f"{where}"
+        f"{steps}{rate}; target {get('target', '?')}, scale mode {get('scale_mode', '?')}, on {device}; {where}"
     )

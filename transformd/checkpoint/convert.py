@@ -12,31 +12,26 @@ import contextlib
 import errno
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .. import _durable
 from ..engines import Engine, EngineReadiness
 from ..errors import CheckpointError, OutputError
 from ..formats import ScaleMode, Target
-from ..progress import human_bytes
+from ..progress import Progress, human_bytes
 from .hf_config import copy_other_files, write_metadata_files
-from .pipeline import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_HOST_MEMORY_BYTES,
-    Progress,
-    Run,
-    ShardOrder,
-    conversion_devices,
-    convert_shards,
-    release_cached_memory,
-)
-from .pieces import start_warm_up
+from .headstart import HeadStart, worth_starting
 from .plan import ConversionPlan, check_engine, output_bytes, plan_conversion, plan_readiness
+
+if TYPE_CHECKING:  # (torch is imported by the conversion itself: a head start converts while that import runs)
+    import torch
+
+    from .pipeline import ShardOrder
 
 __all__ = ["ConversionResult", "OutputError", "convert_checkpoint", "write_checkpoint"]
 
@@ -65,6 +60,8 @@ class ConversionResult:
     #: Seconds each stage of the pipeline worked (read, convert, write, sync; the busiest lane's): where the time
     #: went. The stage closest to ``seconds`` is the bottleneck (sync: the disk; read: the source or the page cache).
     stage_busy: dict[str, float] = field(default_factory=dict)
+    #: Shards the head start wrote (converted on the CPU while torch was imported; see :mod:`.headstart`).
+    head_start_shards: list[str] = field(default_factory=list)
 
 
 def convert_checkpoint(
@@ -77,10 +74,11 @@ def convert_checkpoint(
     device: str | torch.device | None = "auto",
     overwrite: bool = False,
     progress: Callable[[Progress], None] | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES,
+    chunk_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
     shard_order: ShardOrder | None = None,
     engine: Engine | str | None = None,
+    head_start: bool | None = None,
 ) -> ConversionResult:
     """Convert the MXFP8 checkpoint directory ``src`` into a block-FP8 checkpoint directory ``out``.
 
@@ -108,13 +106,23 @@ def convert_checkpoint(
     ``shard_order`` (see :class:`ShardOrder`) lets a caller change the order of the
     shards while the conversion runs and learn when each output shard is final, so
     that a shard can be served before the whole checkpoint is done.
+
+    ``head_start``: while torch is imported and the kernel loads, a worker process converts shards from the end of
+    the checkpoint on the CPU with NumPy (:mod:`.headstart`: the exact scale mode only, shards in the page cache, the
+    same output bytes). None (the default): when this call is the one that imports torch, as in a process that
+    converts by itself (``transformd convert --out``), and the checkpoint's last shard is in the page cache (else the
+    plan waits for torch's import, as it did, so that a cold source is read in order from the start).
     """
-    target = Target(target)
+    target, scale_mode = Target(target), ScaleMode(scale_mode)
     src, out = Path(src), Path(out)
-    devices = conversion_devices(device)
+    early = ("torch" not in sys.modules and worth_starting(src)) if head_start is None else head_start
+    early = early and scale_mode is ScaleMode.EXACT
+    devices = None if early else _devices(device)  # (a bad device first; with a head start, torch comes later)
     _durable.remove_leftovers(out)
     _check_out(src, out, overwrite)  # (a refused output waits for no kernel)
-    with _kernel_warm_up(devices, target, ScaleMode(scale_mode)):  # (while the plan is made)
+    with contextlib.ExitStack() as kernel:
+        if devices is not None:  # the kernel loads while the plan is made
+            kernel.enter_context(_kernel_warm_up(devices, target, scale_mode))
         plan = plan_conversion(src, select=select)
         report = None
         if engine is not None:  # refused before anything is written (else the report is made while it is)
@@ -130,14 +138,22 @@ def convert_checkpoint(
             if wrapped is None:
                 raise
             raise wrapped from err
+        head = None
         try:
+            head = HeadStart.start(plan, staging, target) if early else None
+            if devices is None:  # torch is imported here, while the head start converts
+                devices = _devices(device)
+                kernel.enter_context(_kernel_warm_up(devices, target, scale_mode))
             result = write_checkpoint(
                 plan, staging, target=target, scale_mode=scale_mode, devices=devices, progress=progress,
                 chunk_bytes=chunk_bytes, host_memory_bytes=host_memory_bytes, shard_order=shard_order, readiness=report,
+                head_start=head,
             )
             _durable.fsync_dirs(staging)
             _durable.publish(staging, out, overwrite)
         except BaseException as exc:
+            if head is not None:
+                head.cancel()  # (it writes into the staging directory)
             shutil.rmtree(staging, ignore_errors=True)
             wrapped = _output_error(exc, src, out, needed, staging) if isinstance(exc, OSError) else None
             if wrapped is not None:
@@ -149,10 +165,20 @@ def convert_checkpoint(
         return result
 
 
+def _devices(device: str | torch.device | None) -> list[torch.device]:
+    """The devices of ``device`` (:func:`.pipeline.conversion_devices`; imports torch)."""
+    from .pipeline import conversion_devices
+
+    return conversion_devices(device)
+
+
 @contextlib.contextmanager
 def _kernel_warm_up(devices: list[torch.device], target: Target, scale_mode: ScaleMode) -> Iterator[None]:
     """The kernel loaded on a thread while the body runs (:func:`.pieces.warm_up`); joined at the end and its
     buffers given back (done long before, unless the conversion launched nothing: then they would stay cached)."""
+    from .pieces import start_warm_up
+    from .pipeline import release_cached_memory
+
     warming = start_warm_up(devices, target, scale_mode)
     try:
         yield
@@ -170,10 +196,11 @@ def write_checkpoint(
     scale_mode: ScaleMode | str = ScaleMode.EXACT,
     devices: list[torch.device] | None = None,
     progress: Callable[[Progress], None] | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES,
+    chunk_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
     shard_order: ShardOrder | None = None,
     readiness: dict[str, EngineReadiness] | None = None,
+    head_start: HeadStart | None = None,
 ) -> ConversionResult:
     """Write the conversion of ``plan`` into the directory ``out`` (created when missing; must be empty).
 
@@ -181,13 +208,20 @@ def write_checkpoint(
     the caller publishes ``out`` (and removes it on an error). See :func:`convert_checkpoint` for the
     arguments; ``devices`` defaults to ``auto``'s choice; ``readiness``: :func:`plan_readiness` of ``plan`` when the
     caller computed it already (to check an engine before writing), else made on a thread while the shards are
-    written (0.14-0.28 s for 20,589 tensors on the H200 machine, which the first write would otherwise wait for).
+    written (0.14-0.28 s for 20,589 tensors on the H200 machine, which the first write would otherwise wait for);
+    ``head_start``: a :class:`.headstart.HeadStart` writing shards of ``plan`` into ``out`` already (the pipeline
+    takes the others, and counts its shards as its own).
     """
-    started = time.monotonic()
+    from .pipeline import DEFAULT_CHUNK_BYTES, DEFAULT_HOST_MEMORY_BYTES, Run, conversion_devices, convert_shards
+
+    started = head_start.started if head_start is not None else time.monotonic()
     target, scale_mode = Target(target), ScaleMode(scale_mode)
     devices = devices if devices is not None else conversion_devices("auto")
+    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    host_memory_bytes = DEFAULT_HOST_MEMORY_BYTES if host_memory_bytes is None else host_memory_bytes
     out.mkdir(exist_ok=True)
-    run = Run(plan, out, target, scale_mode, max(1, chunk_bytes), max(1, host_memory_bytes), progress, shard_order)
+    run = Run(plan, out, target, scale_mode, max(1, chunk_bytes), max(1, host_memory_bytes), progress, shard_order,
+              head_start)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transformd-readiness") as pool:
         made = pool.submit(plan_readiness, plan, target) if readiness is None else None
         convert_shards(run, devices)
@@ -210,6 +244,7 @@ def write_checkpoint(
         tensors=plan.tensor_count,
         data_bytes=plan.data_bytes,
         stage_busy=run.stage_busy,
+        head_start_shards=[f.shard.name for f in head_start.finished] if head_start is not None else [],
     )
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _durable
 from ..formats import FORMAT_VERSION
 from ..quant_config import output_quantization_config, source_quantization, unquantized_modules
-from .pipeline import Run
 from .plan import CONFIG_NAME, INDEX_NAME, output_specs
+
+if TYPE_CHECKING:
+    from .pipeline import Run
 
 
 def write_metadata_files(run: Run) -> None:
@@ -16,7 +18,8 @@ def write_metadata_files(run: Run) -> None:
     input (ModelOpt's legacy place for the recipe) and some loaders read it before config.json."""
     plan = run.plan
     if plan.index is not None:
-        run.tally.add(written=_durable.create_json(run.out / INDEX_NAME, _rewrite_index(plan.index, run.output_tensors)))
+        index = _rewrite_index(plan.index, run.output_tensors)
+        run.tally.add(written=_durable.create_json(run.out / INDEX_NAME, index))
     unquantized = unquantized_modules(spec for shard in plan.shards for spec in output_specs(run.target, shard))
     qc = output_quantization_config(plan.config, plan.hf_quant_config, unquantized, _transformd_record(run))
     run.tally.add(written=_durable.create_json(run.out / CONFIG_NAME, {**plan.config, "quantization_config": qc}))

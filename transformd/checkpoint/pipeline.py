@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 
 import torch
 
@@ -35,6 +35,9 @@ from .pieces import (
 )
 from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
 from .stages import SlotPool, Stages, Tally
+
+if TYPE_CHECKING:
+    from .headstart import Finished, HeadStart
 
 # -------------------------------------------------------------------------------------------------------------------
 # Conversion
@@ -96,6 +99,7 @@ class Run:
     host_memory_bytes: int
     progress: Callable[[Progress], None] | None
     shard_order: ShardOrder | None = None
+    head_start: HeadStart | None = None  # converting shards on the CPU since before torch was imported
     tally: Tally = field(default_factory=Tally)
     tensors_done: int = 0
     bytes_done: int = 0
@@ -126,25 +130,52 @@ class Run:
 
 
 def convert_shards(run: Run, devices: list[torch.device]) -> None:
-    """Write every output shard into the staging directory: a lane per device, the shards spread over them."""
+    """Write every output shard into the staging directory: a lane per device, the shards spread over them (those
+    the head start has taken, if any, written by it)."""
     for shard in run.plan.shards:
         if shard.rewrite:
             outputs = [(name, tensor_nbytes(dtype, shape)) for name, dtype, shape in output_specs(run.target, shard)]
         else:
             outputs = [(t.name, t.nbytes) for t in shard.header.tensors.values()]
         run.output_tensors.update((name, (shard.name, nbytes)) for name, nbytes in outputs)
-    assigned = [(dev, shards) for dev, shards in zip(devices, _assign_shards(run.plan.shards, len(devices))) if shards]
+    _convert(run, devices, run.plan.shards, run.head_start)
+    if run.head_start is not None:
+        back = run.head_start.given_back()
+        if back:  # skipped by the lanes while the head start had them
+            _convert(run, devices, back, None)
+        run.stage_busy["head start"] = round(run.head_start.busy, 3)
+
+
+def _convert(run: Run, devices: list[torch.device], shards: Sequence[ShardPlan], head: HeadStart | None) -> None:
+    """Convert ``shards`` on ``devices``, beside ``head`` (the lanes skip what it has taken; its finished shards count
+    as the lanes' do). Each stage's busy seconds are added to ``run.stage_busy``."""
+    assigned = [(dev, group) for dev, group in zip(devices, _assign_shards(shards, len(devices))) if group]
     stages = Stages()
-    lanes = [_Lane(run, stages, dev, shards, run.host_memory_bytes // len(assigned)) for dev, shards in assigned]
+    lanes = [_Lane(run, stages, dev, group, run.host_memory_bytes // len(assigned)) for dev, group in assigned]
     try:
         for lane in lanes:
             lane.start()
+        if head is not None:  # a stage of its own, so that the lanes' end waits for the head start's last shard
+            stages.start("follow-head-start", lambda: head.follow(lambda done: _head_started(run, stages, done),
+                                                                  stages.check))
         stages.wait(run.tick, run.report)
-        run.stage_busy = stages.busy()
+        busy = stages.busy()
+        busy.pop("follow", None)  # (it waits)
+        for kind, seconds in busy.items():
+            run.stage_busy[kind] = round(run.stage_busy.get(kind, 0.0) + seconds, 3)
     finally:
         for lane in lanes:
             lane.close()
         release_cached_memory(devices)
+
+
+def _head_started(run: Run, stages: Stages, done: Finished) -> None:
+    """Count a shard the head start finished as the lanes count theirs."""
+    header = done.shard.header
+    stages.tick(done.shard.name, len(header.tensors), header.data_bytes, converted=done.converted)
+    run.tally.add(read=done.read, written=done.written)
+    if run.shard_order is not None:
+        run.shard_order.done(done.shard.name, run.out / done.shard.name)
 
 
 def conversion_devices(device: str | torch.device | None) -> list[torch.device]:
@@ -299,6 +330,8 @@ class _Lane:
             while pending:
                 shard = self._next_shard(pending)
                 pending.remove(shard)
+                if self.run.head_start is not None and not self.run.head_start.claim(shard.name):
+                    continue  # the head start writes it
                 if not shard.rewrite:
                     self.to_converter.put(_CopyShard(shard))
                     continue
@@ -428,7 +461,8 @@ class _Lane:
                     writer = None
                 elif isinstance(item, _CopyShard):
                     dst = self.run.out / item.shard.name
-                    size = _durable.copy_file(self.run.plan.src / item.shard.name, dst, check=self.stages.check, fsync=False)
+                    src = self.run.plan.src / item.shard.name
+                    size = _durable.copy_file(src, dst, check=self.stages.check, fsync=False)
                     self.run.tally.add(read=size)
                     self.to_syncer.put(dst)
             self.to_syncer.put(_END)

@@ -44,6 +44,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     convert.add_argument("--report", action="store_true",
                          help="print the reconstruction error per tensor and overall before DIR")
+    convert.add_argument("--no-head-start", action="store_true",
+                         help="with --out: convert only in this process's pipeline (by default, when the source is "
+                              "in the page cache, a worker process converts its last shards on the CPU while torch is "
+                              "imported; the same bytes)")
     convert.add_argument("--no-daemon", action="store_true",
                          help="into the cache, convert in this process even when a transformd daemon serves the "
                               "same cache directory (by default that daemon converts, without this process's "
@@ -174,7 +178,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
     with bar, _while_starting(args.src, args.device, bar.update) as update:
-        from ..checkpoint import convert_checkpoint  # torch: imported while the source is read ahead
+        from ..checkpoint import convert_checkpoint  # (it imports torch while the source is read ahead)
 
         result = convert_checkpoint(
             args.src,
@@ -186,6 +190,7 @@ def _run_convert(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=update,
             engine=args.engine,
+            head_start=False if args.no_head_start else None,
         )
     _print_outcome(result.readiness, args.engine, target, why)
     if result.left_out:

@@ -1,0 +1,185 @@
+"""The head start (transformd.checkpoint.headstart): a worker process converting shards with NumPy while the
+pipeline's process imports torch. Whatever it takes, the output is byte for byte the pipeline's own; what it
+cannot convert goes back to the pipeline, which reports it; a cancel leaves nothing of it behind."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from transformd.checkpoint import convert_checkpoint, plan_conversion, write_checkpoint
+from transformd.checkpoint import convert as checkpoint_convert
+from transformd.checkpoint.headstart import HeadStart, in_page_cache, worth_starting
+from transformd.formats import MxFormatError, Target
+from transformd.sample import write_sample_checkpoint
+
+from .support.checkpoints import SHARD_B, assert_converted_sample, default_shards, poke, set_tensor
+from .support.checkpoints import write_checkpoint as write_src
+from .support.layouts import LAYOUTS
+
+AWKWARD = {"hidden": 320, "moe_intermediate": 224, "head_dim": 64}  # partial tiles on both axes
+
+
+def sample(path: Path, **kw) -> Path:
+    return write_sample_checkpoint(path, layers=4, experts=3, shards=5, **{**AWKWARD, **kw})
+
+
+def same_tree(a: Path, b: Path) -> None:
+    names = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert names and names == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for name in names:
+        assert filecmp.cmp(a / name, b / name, shallow=False), f"{name} differs"
+
+
+def wait_for_finished(head: HeadStart, count: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(head.finished) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(head.finished) >= count, f"the worker finished {len(head.finished)} shards, not {count}"
+
+
+@pytest.mark.parametrize("target", ["fnuz", "ocp"])
+@pytest.mark.parametrize("layout", ["sample", "sample, fused experts", *LAYOUTS])
+def test_every_shard_from_the_worker_is_the_pipelines_own(tmp_path: Path, layout: str, target: str) -> None:
+    """The worker converts the whole checkpoint (the pipeline starts only once it has finished): the same bytes as
+    the pipeline alone, on every producer's layout (Quark's Rx32 blocks, fused experts, F8_E8M0 scales, ...)."""
+    if layout.startswith("sample"):
+        src = sample(tmp_path / "src", fused_experts="fused" in layout)
+    else:
+        src = LAYOUTS[layout](tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "pipeline", target=target, device="cpu", head_start=False)
+    plan = plan_conversion(src)
+    out = tmp_path / "worker"
+    out.mkdir()
+    head = HeadStart(plan, out, Target(target), threads=2)
+    wait_for_finished(head, len(plan.shards))
+    result = write_checkpoint(plan, out, target=target, devices=None, head_start=head)
+    assert sorted(result.head_start_shards) == sorted(s.name for s in plan.shards)
+    assert result.stage_busy.get("head start", 0) > 0
+    same_tree(tmp_path / "pipeline", out)
+
+
+@pytest.mark.parametrize("target", ["fnuz", "ocp"])
+def test_worker_and_pipeline_share_the_shards(tmp_path: Path, target: str) -> None:
+    """The worker takes the last shards, the pipeline the rest (it stops the worker when it starts): the result is
+    the reference's, and each shard was written once."""
+    src = write_sample_checkpoint(tmp_path / "src", layers=12, experts=3, shards=13, **AWKWARD)
+    plan = plan_conversion(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    head = HeadStart(plan, out, Target(target), threads=1)
+    wait_for_finished(head, 2)
+    progress = []
+    result = write_checkpoint(plan, out, target=target, devices=None, head_start=head, progress=progress.append)
+    taken = result.head_start_shards  # (the pipeline would have failed to create a shard the worker wrote)
+    assert len(taken) >= 2 and taken == [s.name for s in reversed(plan.shards)][: len(taken)]
+    assert progress[-1].tensors_done == plan.tensor_count and progress[-1].bytes_done == plan.data_bytes
+    assert result.bytes_written == sum(f.stat().st_size for f in out.glob("*.safetensors")) + sum(
+        f.stat().st_size for f in out.iterdir() if f.suffix == ".json")
+    assert_converted_sample(src, out, target, "exact")
+
+
+def test_convert_checkpoint_with_a_head_start(tmp_path: Path) -> None:
+    src = sample(tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "plain", device="cpu", head_start=False)
+    result = convert_checkpoint(src, tmp_path / "out", device="cpu", head_start=True)
+    same_tree(tmp_path / "plain", tmp_path / "out")
+    assert not list(tmp_path.glob(".out.*")), "no staging directory left beside the output"
+    assert set(result.head_start_shards) <= {s.name for s in plan_conversion(src).shards}
+
+
+def test_amax_mode_gets_no_head_start(tmp_path: Path, monkeypatch) -> None:
+    src = sample(tmp_path / "src")
+    monkeypatch.setattr(checkpoint_convert, "HeadStart", None)  # (would fail if called)
+    result = convert_checkpoint(src, tmp_path / "out", device="cpu", scale_mode="amax", head_start=True)
+    assert result.head_start_shards == []
+
+
+def test_an_invalid_value_is_given_back_and_reported_by_the_pipeline(tmp_path: Path) -> None:
+    """A NaN code in the last shard: the worker gives the shard back, the pipeline converts it and fails with the
+    file and the tensor named; nothing is left of the output."""
+    shards = default_shards()
+    set_tensor("model.layers.0.mlp.experts.1.up_proj.weight", poke((3, 5), 0x7F))(shards)
+    src = write_src(tmp_path / "src", shards)
+    plan = plan_conversion(src)
+    out = tmp_path / "staging"
+    out.mkdir()
+    head = HeadStart(plan, out, Target.FNUZ, threads=2)
+    deadline = time.monotonic() + 60
+    while head.gave_back == [] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert head.gave_back == [SHARD_B]
+    assert not (out / SHARD_B).exists(), "its partial file is removed"
+    with pytest.raises(MxFormatError) as caught:
+        write_checkpoint(plan, out, devices=None, head_start=head)
+    assert "experts.1.up_proj.weight" in str(caught.value) and SHARD_B in str(caught.value)
+    assert "NaN" in str(caught.value)
+    with pytest.raises(MxFormatError):
+        convert_checkpoint(src, tmp_path / "out", device="cpu", head_start=True)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_cancel_leaves_only_finished_shards(tmp_path: Path) -> None:
+    src = sample(tmp_path / "src")
+    plan = plan_conversion(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    head = HeadStart(plan, out, Target.OCP, threads=1)
+    time.sleep(0.5)
+    head.cancel()
+    finished = {f.shard.name for f in head.finished}
+    assert {p.name for p in out.iterdir()} == finished
+    assert head._proc.returncode is not None
+
+
+def test_a_worker_that_dies_leaves_the_work_to_the_pipeline(tmp_path: Path) -> None:
+    src = sample(tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "plain", device="cpu", head_start=False)
+    plan = plan_conversion(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    head = HeadStart(plan, out, Target.FNUZ, threads=1)
+    head._proc.kill()
+    result = write_checkpoint(plan, out, devices=None, head_start=head)
+    assert result.head_start_shards == [f.shard.name for f in head.finished]
+    same_tree(tmp_path / "plain", out)
+
+
+def test_worth_starting_only_on_a_source_in_the_page_cache(tmp_path: Path) -> None:
+    src = sample(tmp_path / "src")
+    last = sorted(src.glob("*.safetensors"))[-1]
+    last.read_bytes()
+    assert in_page_cache(last) and worth_starting(src)
+    fd = os.open(last, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if in_page_cache(last):
+        pytest.skip("this kernel kept the file's pages after POSIX_FADV_DONTNEED")
+    assert not worth_starting(src)
+    assert not in_page_cache(last), "asking starts no read (mincore, not RWF_NOWAIT)"
+    assert not in_page_cache(tmp_path / "missing") and not worth_starting(tmp_path)
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-head-start"]])
+def test_the_cli_in_a_fresh_process(tmp_path: Path, flag: list[str]) -> None:
+    """What a user runs: torch not imported yet, the source just written (in the page cache): the head start runs
+    beside the import (unless turned off); the output is the pipeline's either way."""
+    src = sample(tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "plain", target="ocp", device="cpu", head_start=False)
+    for shard in src.glob("*.safetensors"):
+        shard.read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "transformd", "convert", str(src), "--out", str(tmp_path / "out"),
+                           "--device", "cpu", "--target", "ocp", *flag], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    same_tree(tmp_path / "plain", tmp_path / "out")
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert "head start" in summary if not flag else "head start" not in summary and "on the CPU while" not in summary

@@ -1,0 +1,529 @@
+"""A head start on the CPU, in a process of its own, for a conversion whose process has yet to import torch.
+
+A process that converts by itself (``transformd convert --out``) spends its first 3-5 s importing torch and loading
+the kernel while the disk, which bounds the rest of the conversion, waits: with the source in the page cache that
+start-up was the difference between the conversion and ``cp -r`` + ``sync`` of the same bytes. A :class:`HeadStart`
+starts a worker process (``python -m transformd.checkpoint.headstart``, which imports no torch) that converts whole
+shards meanwhile, from the last one backwards, with NumPy table lookups (:mod:`transformd.numpy_exact`: the exact
+scale mode, bit for bit the reference) on the cores the import leaves idle, and writes them into the output
+directory as the pipeline would (:class:`transformd.safetensors_writer.SafetensorsWriter`: the same header and
+bytes). A process of its own, because threads would share the interpreter lock with the import: measured on the
+H200 machine, 14 threads converted 2.0 GB/s alone but 0.44 GB/s beside ``import torch``, which they slowed by 0.2-2 s.
+
+When the pipeline starts (its first :meth:`HeadStart.claim`) the worker is told to stop: it finishes the shard under
+way and takes no other, and tells which shards it took; the pipeline converts every other one. The worker only
+takes a shard whose bytes are in the page cache (a cold source is left to the pipeline's reads in order). Anything
+it cannot convert (a value the torch path must judge, a failed read or write) makes it give that shard back and
+stop; the pipeline converts the shard, and reports an invalid value there, naming the file and the tensor, as it
+always did. If the conversion fails or the caller goes away, the worker is cancelled (its stdin closes): it
+abandons the shard under way and removes that file.
+
+Protocol: the parent writes the pickled :class:`.plan.ConversionPlan` (8-byte length first) and then ``stop`` lines to
+the worker's stdin; the worker writes ``take NAME``, ``done [NAME, READ, WRITTEN, SECONDS]``, ``left NAME``,
+``stopped`` and finally ``end`` lines to its stdout (in JSON after the word).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from .. import _durable
+from ..formats import TILE, Target
+from ..numpy_exact import convert_exact, table
+from ..readahead import shard_files
+from ..safetensors_writer import SafetensorsWriter
+from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
+
+__all__ = ["Finished", "HeadStart", "head_start_threads", "in_page_cache", "worth_starting"]
+
+#: Code bytes converted at once by one thread (a band of whole 128-row tiles of one expert).
+UNIT_BYTES = 8 << 20
+#: Units read and converted ahead of the writing, per thread.
+AHEAD_UNITS = 2
+#: Places in each file whose page-cache presence is checked before a shard is taken.
+CACHE_PROBES = 16
+#: Seconds the pipeline waits for the worker to say which shards it took, and for it to end when cancelled.
+ANSWER_S = 30.0
+
+
+def head_start_threads() -> int:
+    """Threads the worker converts with: the process's cores but two (the import and the writing), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores - 2)
+
+
+def in_page_cache(path: Path) -> bool:
+    """Whether the pages of ``path`` at ``CACHE_PROBES`` + 1 places spread over it are in the page cache (mincore:
+    asking starts no read, where a read with ``RWF_NOWAIT`` would start one; where mincore cannot be used, or the
+    file cannot be read: no)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0 or _libc is None:
+            return False
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return False
+        try:
+            page, resident = mmap.PAGESIZE, ctypes.c_ubyte()
+            for i in range(CACHE_PROBES + 1):
+                at = min(size - 1, size * i // CACHE_PROBES) // page * page
+                failed = _libc.mincore(ctypes.c_void_p(address + at), 1, ctypes.byref(resident))
+                if failed or not resident.value & 1:
+                    return False
+            return True
+        finally:
+            _libc.munmap(ctypes.c_void_p(address), size)
+    finally:
+        os.close(fd)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
+
+
+def worth_starting(src: Path) -> bool:
+    """Whether a head start would find work: the checkpoint's last shard is in the page cache (read before the plan,
+    so that a cold source keeps its order: torch imported while its first shards are read, then the plan)."""
+    shards = shard_files(src)
+    return bool(shards) and in_page_cache(shards[-1])
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A shard the head start wrote completely (fsynced) into the output directory."""
+
+    shard: ShardPlan
+    read: int
+    written: int
+
+    @property
+    def converted(self) -> int:
+        return sum(p.weight.nbytes for p in self.shard.pairs)
+
+
+class HeadStart:
+    """The parent's side: starts the worker on ``plan`` into ``out``; what the pipeline asks of it. Exact scale mode
+    only (its caller checks). Raises OSError when the worker cannot be started (see :meth:`start`)."""
+
+    def __init__(self, plan: ConversionPlan, out: Path, target: Target, *, threads: int | None = None):
+        self.plan, self.out = plan, out
+        self.started = time.monotonic()
+        self.finished: list[Finished] = []
+        self.busy = 0.0  # seconds the worker spent on shards
+        self._changed = threading.Condition()
+        self._taken: list[str] = []
+        self._left: set[str] = set()
+        self._stopped = self._ended = False
+        self._skipped: set[str] | None = None  # the worker's shards, once it stopped (the pipeline skips them)
+        threads = threads if threads is not None else head_start_threads()
+        command = [sys.executable, "-m", __name__, str(out), Target(target).value, str(threads)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # (this process's modules)
+        # (its standard error is not the user's: a worker that fails only means the pipeline converts everything)
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, env=env)
+        self._listener = threading.Thread(target=self._listen, name="transformd-head-start", daemon=True)
+        self._listener.start()
+        try:
+            raw = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+            self._proc.stdin.write(struct.pack("<Q", len(raw)) + raw)
+            self._proc.stdin.flush()
+        except OSError:  # the worker died at once: nothing taken, the pipeline does everything
+            self.cancel()
+
+    @classmethod
+    def start(cls, plan: ConversionPlan, out: Path, target: Target) -> HeadStart | None:
+        """A head start, or None where no worker process can be started (then the pipeline converts everything)."""
+        try:
+            return cls(plan, out, target)
+        except OSError:
+            return None
+
+    # -- the pipeline's side ------------------------------------------------------------------------------------------
+
+    def claim(self, name: str) -> bool:
+        """True: the pipeline converts shard ``name``; False: the worker has it. The first call stops the worker
+        (it finishes the shard under way) and waits to learn which shards it took."""
+        with self._changed:
+            if self._skipped is None:
+                self._send(b"stop\n")
+                deadline = time.monotonic() + ANSWER_S
+                while not (self._stopped or self._ended) and time.monotonic() < deadline:
+                    self._changed.wait(0.05)
+                if not (self._stopped or self._ended):  # no answer: whatever it took is given back
+                    self._changed.release()
+                    try:
+                        self.cancel()
+                    finally:
+                        self._changed.acquire()
+                self._skipped = set(self._taken) - self._left
+            return name not in self._skipped
+
+    def follow(self, told: Callable[[Finished], None], check: Callable[[], None]) -> None:
+        """Call ``told`` for each shard the worker finishes, those before included, until it ends. ``check`` is
+        called between waits; when it raises, the worker is cancelled first."""
+        told_count = 0
+        while True:
+            with self._changed:
+                fresh, ended = self.finished[told_count:], self._ended
+                if not fresh and not ended:
+                    self._changed.wait(0.05)
+            for done in fresh:
+                told(done)
+            told_count += len(fresh)
+            if ended and not fresh:
+                return
+            try:
+                check()
+            except BaseException:
+                self.cancel()
+                raise
+
+    def given_back(self) -> list[ShardPlan]:
+        """After the worker ended: the shards the pipeline skipped that the worker did not finish (to convert now;
+        a partial file is removed)."""
+        self._wait()
+        with self._changed:
+            done = {f.shard.name for f in self.finished}
+            back = [s for s in self.plan.shards if s.name in (self._skipped or set()) and s.name not in done]
+        for shard in back:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.out / shard.name)
+        return back
+
+    def cancel(self) -> None:
+        """Stop the worker now (it abandons the shard under way); returns once it has ended, its partial files
+        removed."""
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()  # (EOF: cancel)
+        self._wait()
+        with self._changed:
+            done = {f.shard.name for f in self.finished}
+            partial = [name for name in self._taken if name not in done and name not in self._left]
+        for name in partial:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.out / name)
+
+    @property
+    def gave_back(self) -> list[str]:
+        """The shards the worker gave back (it could not convert them; the pipeline does)."""
+        with self._changed:
+            return sorted(self._left)
+
+    def _send(self, line: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._proc.stdin.write(line)
+            self._proc.stdin.flush()
+
+    def _wait(self) -> None:
+        try:
+            self._proc.wait(ANSWER_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._listener.join()
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()
+
+    def _listen(self) -> None:
+        """Read the worker's lines until it ends."""
+        shards = {s.name: s for s in self.plan.shards}
+        try:
+            for line in self._proc.stdout:
+                kind, _, rest = line.decode().strip().partition(" ")
+                with self._changed:
+                    if kind == "take":
+                        self._taken.append(json.loads(rest))
+                    elif kind == "done":
+                        name, read, written, seconds = json.loads(rest)
+                        self.finished.append(Finished(shards[name], int(read), int(written)))
+                        self.busy += float(seconds)
+                    elif kind == "left":
+                        self._left.add(json.loads(rest))
+                    elif kind == "stopped":
+                        self._stopped = True
+                    self._changed.notify_all()
+        except (OSError, ValueError, KeyError):
+            pass  # a worker that says nonsense is treated as one that ended: what it did not finish goes back
+        finally:
+            self._proc.stdout.close()
+            with self._changed:
+                self._ended = True
+                self._changed.notify_all()
+
+
+# -- the worker process ------------------------------------------------------------------------------------------------
+
+
+class _GiveBack(Exception):
+    """The worker cannot convert this shard (a value the torch path must judge, a read that fell short, a cancel)."""
+
+
+class _Worker:
+    """Converts shards of ``plan`` from the last one backwards into ``out`` until stopped, cancelled or out of shards,
+    saying what it does on ``say``."""
+
+    def __init__(self, plan: ConversionPlan, out: Path, target: Target, threads: int, say: Callable[[str], None]):
+        self.plan, self.out, self.target = plan, out, Target(target)
+        self._fnuz = self.target is Target.FNUZ
+        self._threads, self._say = threads, say
+        self.stopped, self.cancelled, self.failed = threading.Event(), threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        """Convert shards from the last one while they are in the page cache; each shard's fsync overlaps the next."""
+        table(self._fnuz)  # (built once, before the first shard)
+        pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="transformd-head-start")
+        syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transformd-head-start-sync")
+        with pool, syncer:
+            for shard in reversed(self.plan.shards):
+                if self.stopped.is_set() or self.cancelled.is_set() or self.failed.is_set():
+                    break
+                if not self._in_page_cache(shard):
+                    break  # (this shard and those before it are read from the disk by the pipeline, in order)
+                self._say(f"take {json.dumps(shard.name)}")
+                started = time.monotonic()
+                try:
+                    read, finish = self._write_shard(shard, pool)
+                except Exception:  # noqa: BLE001 - given back: the pipeline converts it and reports what is wrong
+                    self._give_back(shard)
+                    break
+                syncer.submit(self._sync, shard, read, finish, started)
+
+    def _sync(self, shard: ShardPlan, read: int, finish: Callable[[], int], started: float) -> None:
+        try:
+            written = finish()
+        except Exception:  # noqa: BLE001 - given back, as above
+            self._give_back(shard)
+        else:
+            self._say(f"done {json.dumps([shard.name, read, written, round(time.monotonic() - started, 3)])}")
+
+    def _give_back(self, shard: ShardPlan) -> None:
+        self.failed.set()
+        with contextlib.suppress(OSError):
+            os.unlink(self.out / shard.name)
+        self._say(f"left {json.dumps(shard.name)}")
+
+    def _in_page_cache(self, shard: ShardPlan) -> bool:
+        """Whether the shard's file and the files of its pairs' scales are in the page cache."""
+        return all(in_page_cache(self.plan.src / name) for name in {shard.name, *(p.scale_shard for p in shard.pairs)})
+
+    def _write_shard(self, shard: ShardPlan, pool: concurrent.futures.Executor) -> tuple[int, Callable[[], int]]:
+        """Write the output shard: (bytes read, what fsyncs and closes it and returns the bytes written)."""
+        src, dst = self.plan.src / shard.name, self.out / shard.name
+        if not shard.rewrite:
+            size = _durable.copy_file(src, dst, check=self._check, fsync=False)
+            return size, lambda: _durable.fsync_file(dst)
+        files = _Files(self.plan.src)
+        try:
+            with open(src, "rb") as source:
+                writer = SafetensorsWriter(dst, output_specs(self.target, shard), shard.header.metadata)
+                try:
+                    read = self._fill(shard, writer, source, files, pool)
+                except BaseException:
+                    writer.abort()
+                    raise
+        finally:
+            files.close()
+
+        def finish() -> int:
+            writer.close()  # (checks every tensor is complete, fsyncs)
+            return writer.bytes_written
+
+        return read, finish
+
+    def _fill(self, shard: ShardPlan, writer: SafetensorsWriter, source, files: _Files,
+              pool: concurrent.futures.Executor) -> int:
+        """Write the shard's tensors in order: units converted on ``pool`` ahead of the writing, the tensors that do
+        not change copied from ``source``. Returns the bytes read."""
+        pairs = {p.weight.name: p for p in shard.pairs}
+        read = 0
+        # (tensor name, its unit's conversion or None for a tensor copied as it is, the copied tensor's TensorInfo or
+        # the converted scale's name after a weight's last unit)
+        ahead: deque[tuple[str, concurrent.futures.Future | None, Any]] = deque()
+        scales: list[np.ndarray] = []  # of the weight being written
+
+        def write_oldest() -> None:
+            nonlocal read
+            name, future, what = ahead.popleft()
+            if future is None:
+                writer.copy_from(name, source, what.begin)
+                read += what.nbytes
+                return
+            codes, scale_inv, nbytes = future.result()
+            writer.write(name, codes)
+            scales.append(scale_inv.reshape(-1))
+            read += nbytes
+            if what is not None:  # the weight's last unit: its scales follow its codes
+                writer.write(what, np.concatenate(scales))
+                scales.clear()
+
+        try:
+            for t in shard.header.tensors.values():
+                if t.name in shard.dropped:
+                    continue
+                pair = pairs.get(t.name)
+                if pair is None:
+                    ahead.append((t.name, None, t))
+                    continue
+                if not pair.weight.nbytes:
+                    raise _GiveBack(f"{pair.weight.name} is empty")
+                for unit in _units(pair):
+                    self._check()
+                    while len(ahead) >= AHEAD_UNITS * self._threads:
+                        write_oldest()
+                    ahead.append((t.name, pool.submit(self._convert, pair, unit, files), None))
+                ahead[-1] = (*ahead[-1][:2], pair.out_scale_name)
+            while ahead:
+                self._check()
+                write_oldest()
+        except BaseException:  # nothing may still read the shard's files once they are closed
+            pending = [future for _, future, _ in ahead if future is not None]
+            for future in pending:
+                future.cancel()
+            concurrent.futures.wait(pending)
+            raise
+        return read
+
+    def _convert(self, pair: MxPair, unit: tuple[int, int, int], files: _Files
+                 ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Convert rows [r0, r1) of expert e of ``pair``: (codes, scale_inv, bytes read)."""
+        e, r0, r1 = unit
+        *_, n, k = pair.weight.shape
+        codes = files.read(pair.weight_shard, pair.weight.begin + (e * n + r0) * k, (r1 - r0, k))
+        scales, scale_bytes = _read_scales(pair, e, r0, r1, files)
+        converted = convert_exact(codes, scales, fnuz=self._fnuz, out=codes)
+        if converted is None:
+            raise _GiveBack(f"{pair.weight.name}: a value the conversion refuses")
+        return converted[0], converted[1], codes.nbytes + scale_bytes
+
+    def _check(self) -> None:
+        if self.cancelled.is_set():
+            raise _GiveBack("cancelled")
+
+
+def _units(pair: MxPair) -> Iterator[tuple[int, int, int]]:
+    """(expert, first row, end row) of each unit of ``pair``, in the order of its bytes: bands of whole tiles."""
+    *lead, n, k = pair.weight.shape
+    rows = max(TILE, UNIT_BYTES // max(1, k) // TILE * TILE)
+    for e in range(lead[0] if lead else 1):
+        for r0 in range(0, n, rows):
+            yield e, r0, min(n, r0 + rows)
+
+
+def _read_scales(pair: MxPair, e: int, r0: int, r1: int, files: _Files) -> tuple[np.ndarray, int]:
+    """The E8M0 scales of rows [r0, r1) of expert ``e``, one row per weight row (Rx32 blocks repeated)."""
+    *_, rows, per_row = pair.scale.shape
+    r = pair.row_block
+    first, stop = r0 // r, (r1 - 1) // r + 1
+    block = files.read(pair.scale_shard, pair.scale.begin + (e * rows + first) * per_row, (stop - first, per_row))
+    if r == 1:
+        return block, block.nbytes
+    return np.repeat(block, r, axis=0)[r0 - first * r : r1 - first * r], block.nbytes
+
+
+class _Files:
+    """Input shards opened on first use, for positional reads into new arrays, until :meth:`close`."""
+
+    def __init__(self, src: Path):
+        self.src = src
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def read(self, shard: str, offset: int, shape: tuple[int, int]) -> np.ndarray:
+        with self._lock:
+            fd = self._fds.get(shard)
+            if fd is None:
+                fd = self._fds[shard] = os.open(self.src / shard, os.O_RDONLY)
+        out = np.empty(shape, dtype=np.uint8)
+        view = memoryview(out).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if not got:
+                raise _GiveBack(f"{shard} ended early")
+            done += got
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+
+def _serve(argv: list[str]) -> int:
+    """The worker: ``OUT TARGET THREADS`` on the command line, the plan and then ``stop`` on stdin (EOF: cancel)."""
+    out, target, threads = Path(argv[0]), Target(argv[1]), int(argv[2])
+    stdin, stdout = sys.stdin.buffer, sys.stdout
+    size = struct.unpack("<Q", _read_exactly(stdin, 8))[0]
+    plan = pickle.loads(_read_exactly(stdin, size))  # (from the parent process, which made it)
+    lock = threading.Lock()
+
+    def say(line: str) -> None:
+        with lock:
+            stdout.write(line + "\n")
+            stdout.flush()
+
+    worker = _Worker(plan, out, target, threads, say)
+
+    def listen(commands: IO[bytes]) -> None:
+        for line in commands:
+            if line.strip() == b"stop":
+                worker.stopped.set()
+                say("stopped")  # (after this, the worker takes no shard: the parent knows all it took)
+        worker.cancelled.set()
+
+    threading.Thread(target=listen, args=(stdin,), daemon=True).start()
+    try:
+        worker.run()
+    finally:
+        say("end")
+        # (the listening thread still waits on stdin: end here, every file written is closed and fsynced)
+        os._exit(0)
+
+
+def _read_exactly(stream: IO[bytes], n: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise SystemExit(0)  # the parent went away before it sent the plan
+    return data
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(sys.argv[1:]))
