@@ -62,7 +62,8 @@ Output (shared/DESIGN.md, "Output" and "config.json"):
 Modules: :mod:`.plan` (phase 1), :mod:`.pipeline` (the threads that write the shards), :mod:`.hf_config`
 (config.json, the index, other files), :mod:`.convert` (:func:`write_checkpoint` writes into a directory, each
 file fsynced once; :func:`convert_checkpoint` adds the staging directory and the publish of
-:mod:`transformd._durable`; the cache publishes :func:`write_checkpoint`'s output its own way).
+:mod:`transformd._durable`; the cache publishes :func:`write_checkpoint`'s output its own way), :mod:`.headstart`
+(a worker process that converts the last shards while a lone ``convert --out`` imports torch).
 """
 
 from __future__ import annotations

@@ -303,6 +303,13 @@ class _Worker:
         self._fnuz = self.target is Target.FNUZ
         self._threads, self._say = threads, say
         self.stopped, self.cancelled, self.failed = threading.Event(), threading.Event(), threading.Event()
+        self.taking = threading.Lock()  # a shard is taken, or the worker stops, not both at once
+
+    def stop(self) -> None:
+        """Take no more shards; say so (after this, the parent knows every shard the worker took)."""
+        with self.taking:
+            self.stopped.set()
+            self._say("stopped")
 
     def run(self) -> None:
         """Convert shards from the last one while they are in the page cache; each shard's fsync overlaps the next."""
@@ -311,14 +318,18 @@ class _Worker:
         syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transformd-head-start-sync")
         with pool, syncer:
             for shard in reversed(self.plan.shards):
-                if self.stopped.is_set() or self.cancelled.is_set() or self.failed.is_set():
-                    break
-                if not self._in_page_cache(shard):
-                    break  # (this shard and those before it are read from the disk by the pipeline, in order)
-                self._say(f"take {json.dumps(shard.name)}")
+                with self.taking:
+                    if self.stopped.is_set() or self.cancelled.is_set() or self.failed.is_set():
+                        break
+                    if not self._in_page_cache(shard):
+                        break  # (this shard and those before it are read from the disk by the pipeline, in order)
+                    self._say(f"take {json.dumps(shard.name)}")
                 started = time.monotonic()
                 try:
                     read, finish = self._write_shard(shard, pool)
+                except FileExistsError:  # (not ours: left as it is)
+                    self._give_back(shard, remove=False)
+                    break
                 except Exception:  # noqa: BLE001 - given back: the pipeline converts it and reports what is wrong
                     self._give_back(shard)
                     break
@@ -332,10 +343,11 @@ class _Worker:
         else:
             self._say(f"done {json.dumps([shard.name, read, written, round(time.monotonic() - started, 3)])}")
 
-    def _give_back(self, shard: ShardPlan) -> None:
+    def _give_back(self, shard: ShardPlan, *, remove: bool = True) -> None:
         self.failed.set()
-        with contextlib.suppress(OSError):
-            os.unlink(self.out / shard.name)
+        if remove:
+            with contextlib.suppress(OSError):
+                os.unlink(self.out / shard.name)
         self._say(f"left {json.dumps(shard.name)}")
 
     def _in_page_cache(self, shard: ShardPlan) -> bool:
@@ -346,6 +358,7 @@ class _Worker:
         """Write the output shard: (bytes read, what fsyncs and closes it and returns the bytes written)."""
         src, dst = self.plan.src / shard.name, self.out / shard.name
         if not shard.rewrite:
+            os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # (created here, as the writer does)
             size = _durable.copy_file(src, dst, check=self._check, fsync=False)
             return size, lambda: _durable.fsync_file(dst)
         files = _Files(self.plan.src)
@@ -505,8 +518,7 @@ def _serve(argv: list[str]) -> int:
     def listen(commands: IO[bytes]) -> None:
         for line in commands:
             if line.strip() == b"stop":
-                worker.stopped.set()
-                say("stopped")  # (after this, the worker takes no shard: the parent knows all it took)
+                worker.stop()
         worker.cancelled.set()
 
     threading.Thread(target=listen, args=(stdin,), daemon=True).start()
