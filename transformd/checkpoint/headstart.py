@@ -11,8 +11,9 @@ bytes). A process of its own, because threads would share the interpreter lock w
 H200 machine, 14 threads converted 2.0 GB/s alone but 0.44 GB/s beside ``import torch``, which they slowed by 0.2-2 s.
 
 When the pipeline starts (its first :meth:`HeadStart.claim`) the worker is told to stop: it finishes the shard under
-way and takes no other, and tells which shards it took; the pipeline converts every other one. The worker only
-takes a shard whose bytes are in the page cache (a cold source is left to the pipeline's reads in order). Anything
+way and takes no other, and tells which shards it took; the pipeline converts every other one. The worker takes
+shards from the end only while they are in the page cache (the first that is not stops it: a cold source is left to
+the pipeline's reads in order). Anything
 it cannot convert (a value the torch path must judge, a failed read or write) makes it give that shard back and
 stop; the pipeline converts the shard, and reports an invalid value there, naming the file and the tensor, as it
 always did. If the conversion fails or the caller goes away, the worker is cancelled (its stdin closes): it
