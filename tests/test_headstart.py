@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from transformd.checkpoint import convert_checkpoint, plan_conversion, write_checkpoint
-from transformd.checkpoint import convert as checkpoint_convert
-from transformd.checkpoint.headstart import HeadStart, in_page_cache, worth_starting
+from transformd.checkpoint import headstart
+from transformd.checkpoint.headstart import HeadStart
 from transformd.formats import MxFormatError, Target
+from transformd.readahead import in_page_cache, last_shard_in_page_cache
 from transformd.sample import write_sample_checkpoint
 
 from .support.checkpoints import SHARD_B, assert_converted_sample, default_shards, poke, set_tensor
@@ -96,7 +97,7 @@ def test_convert_checkpoint_with_a_head_start(tmp_path: Path) -> None:
 
 def test_amax_mode_gets_no_head_start(tmp_path: Path, monkeypatch) -> None:
     src = sample(tmp_path / "src")
-    monkeypatch.setattr(checkpoint_convert, "HeadStart", None)  # (would fail if called)
+    monkeypatch.setattr(headstart, "HeadStart", None)  # (would fail if called)
     result = convert_checkpoint(src, tmp_path / "out", device="cpu", scale_mode="amax", head_start=True)
     assert result.head_start_shards == []
 
@@ -151,11 +152,11 @@ def test_a_worker_that_dies_leaves_the_work_to_the_pipeline(tmp_path: Path) -> N
     same_tree(tmp_path / "plain", out)
 
 
-def test_worth_starting_only_on_a_source_in_the_page_cache(tmp_path: Path) -> None:
+def test_last_shard_in_page_cache_only_on_a_source_in_the_page_cache(tmp_path: Path) -> None:
     src = sample(tmp_path / "src")
     last = sorted(src.glob("*.safetensors"))[-1]
     last.read_bytes()
-    assert in_page_cache(last) and worth_starting(src)
+    assert in_page_cache(last) and last_shard_in_page_cache(src)
     fd = os.open(last, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -164,9 +165,9 @@ def test_worth_starting_only_on_a_source_in_the_page_cache(tmp_path: Path) -> No
         os.close(fd)
     if in_page_cache(last):
         pytest.skip("this kernel kept the file's pages after POSIX_FADV_DONTNEED")
-    assert not worth_starting(src)
+    assert not last_shard_in_page_cache(src)
     assert not in_page_cache(last), "asking starts no read (mincore, not RWF_NOWAIT)"
-    assert not in_page_cache(tmp_path / "missing") and not worth_starting(tmp_path)
+    assert not in_page_cache(tmp_path / "missing") and not last_shard_in_page_cache(tmp_path)
 
 
 @pytest.mark.parametrize("flag", [[], ["--no-head-start"]])

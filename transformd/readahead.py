@@ -13,12 +13,17 @@ after every 8 MiB ``preadv`` read 2.8-3.4 GiB during 3.5-4.2 s start-ups on the 
 disk's 1.6 GiB/s. So each slice is one ``sendfile`` into ``/dev/null`` (the kernel reads the file into the page
 cache and copies nothing to this process), :data:`_SLICE_BYTES` at a time: 4.75-5.94 GiB in the same start-ups
 (``benchmarks/startup_bench.py``).
+
+:func:`in_page_cache` tells whether a file is in the page cache without reading it (``mincore``): a lone
+conversion's head start (:mod:`transformd.checkpoint.headstart`) only converts shards that are.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
+import mmap
 import os
 import platform
 import stat
@@ -222,3 +227,59 @@ def read_index(fd: int) -> bytes | None:
         return os.pread(fd, _INDEX_MAX_BYTES, 0)
     except OSError:
         return None
+
+
+# -- is a file in the page cache? -------------------------------------------------------------------------------------
+
+#: Places in a file whose page-cache presence :func:`in_page_cache` checks.
+CACHE_PROBES = 16
+
+
+def in_page_cache(path: Path) -> bool:
+    """Whether the pages of ``path`` at ``CACHE_PROBES`` + 1 places spread over it are in the page cache (mincore:
+    asking starts no read, where a read with ``RWF_NOWAIT`` would start one; where mincore cannot be used, or the
+    file cannot be read: no)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        size, libc = os.fstat(fd).st_size, _libc()
+        if size == 0 or libc is None:
+            return False
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return False
+        try:
+            page, resident = mmap.PAGESIZE, ctypes.c_ubyte()
+            for i in range(CACHE_PROBES + 1):
+                at = min(size - 1, size * i // CACHE_PROBES) // page * page
+                failed = libc.mincore(ctypes.c_void_p(address + at), 1, ctypes.byref(resident))
+                if failed or not resident.value & 1:
+                    return False
+            return True
+        finally:
+            libc.munmap(ctypes.c_void_p(address), size)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library with mmap, mincore and munmap typed (None where it cannot be loaded)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def last_shard_in_page_cache(src: str | os.PathLike[str]) -> bool:
+    """Whether the checkpoint's last shard (in the conversion's order) is in the page cache: a lone conversion's
+    head start would find work (:mod:`transformd.checkpoint.headstart`)."""
+    shards = shard_files(src)
+    return bool(shards) and in_page_cache(shards[-1])

@@ -24,13 +24,14 @@ from ..engines import Engine, EngineReadiness
 from ..errors import CheckpointError, OutputError
 from ..formats import ScaleMode, Target
 from ..progress import Progress, human_bytes
+from ..readahead import last_shard_in_page_cache
 from .hf_config import copy_other_files, write_metadata_files
-from .headstart import HeadStart, worth_starting
 from .plan import ConversionPlan, check_engine, output_bytes, plan_conversion, plan_readiness
 
 if TYPE_CHECKING:  # (torch is imported by the conversion itself: a head start converts while that import runs)
     import torch
 
+    from .headstart import HeadStart
     from .pipeline import ShardOrder
 
 __all__ = ["ConversionResult", "OutputError", "convert_checkpoint", "write_checkpoint"]
@@ -115,9 +116,11 @@ def convert_checkpoint(
     """
     target, scale_mode = Target(target), ScaleMode(scale_mode)
     src, out = Path(src), Path(out)
-    early = ("torch" not in sys.modules and worth_starting(src)) if head_start is None else head_start
+    early = ("torch" not in sys.modules and last_shard_in_page_cache(src)) if head_start is None else head_start
     early = early and scale_mode is ScaleMode.EXACT
-    devices = None if early else _devices(device)  # (a bad device first; with a head start, torch comes later)
+    # Without a head start, the order it always had: torch imported and the devices found first (a bad device is
+    # refused before anything else), then the plan while the kernel loads.
+    devices = None if early else _devices(device)
     _durable.remove_leftovers(out)
     _check_out(src, out, overwrite)  # (a refused output waits for no kernel)
     with contextlib.ExitStack() as kernel:
@@ -140,7 +143,10 @@ def convert_checkpoint(
             raise wrapped from err
         head = None
         try:
-            head = HeadStart.start(plan, staging, target) if early else None
+            if early:
+                from .headstart import HeadStart
+
+                head = HeadStart.start(plan, staging, target)
             if devices is None:  # torch is imported here, while the head start converts
                 devices = _devices(device)
                 kernel.enter_context(_kernel_warm_up(devices, target, scale_mode))

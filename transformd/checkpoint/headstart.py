@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import json
-import mmap
 import os
 import pickle
 import struct
@@ -49,18 +47,16 @@ import numpy as np
 from .. import _durable
 from ..formats import TILE, Target
 from ..numpy_exact import convert_exact, table
-from ..readahead import shard_files
+from ..readahead import in_page_cache
 from ..safetensors_writer import SafetensorsWriter
 from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
 
-__all__ = ["Finished", "HeadStart", "head_start_threads", "in_page_cache", "worth_starting"]
+__all__ = ["Finished", "HeadStart", "head_start_threads"]
 
 #: Code bytes converted at once by one thread (a band of whole 128-row tiles of one expert).
 UNIT_BYTES = 8 << 20
 #: Units read and converted ahead of the writing, per thread.
 AHEAD_UNITS = 2
-#: Places in each file whose page-cache presence is checked before a shard is taken.
-CACHE_PROBES = 16
 #: Seconds the pipeline waits for the worker to say which shards it took, and for it to end when cancelled.
 ANSWER_S = 30.0
 
@@ -72,57 +68,6 @@ def head_start_threads() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(1, cores - 2)
-
-
-def in_page_cache(path: Path) -> bool:
-    """Whether the pages of ``path`` at ``CACHE_PROBES`` + 1 places spread over it are in the page cache (mincore:
-    asking starts no read, where a read with ``RWF_NOWAIT`` would start one; where mincore cannot be used, or the
-    file cannot be read: no)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0 or _libc is None:
-            return False
-        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            return False
-        try:
-            page, resident = mmap.PAGESIZE, ctypes.c_ubyte()
-            for i in range(CACHE_PROBES + 1):
-                at = min(size - 1, size * i // CACHE_PROBES) // page * page
-                failed = _libc.mincore(ctypes.c_void_p(address + at), 1, ctypes.byref(resident))
-                if failed or not resident.value & 1:
-                    return False
-            return True
-        finally:
-            _libc.munmap(ctypes.c_void_p(address), size)
-    finally:
-        os.close(fd)
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_libc = _load_libc()
-
-
-def worth_starting(src: Path) -> bool:
-    """Whether a head start would find work: the checkpoint's last shard is in the page cache (read before the plan,
-    so that a cold source keeps its order: torch imported while its first shards are read, then the plan)."""
-    shards = shard_files(src)
-    return bool(shards) and in_page_cache(shards[-1])
 
 
 @dataclass(frozen=True)
