@@ -8,6 +8,7 @@ import filecmp
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -184,3 +185,37 @@ def test_the_cli_in_a_fresh_process(tmp_path: Path, flag: list[str]) -> None:
     same_tree(tmp_path / "plain", tmp_path / "out")
     summary = proc.stderr.strip().splitlines()[-1]
     assert "head start" in summary if not flag else "head start" not in summary and "on the CPU while" not in summary
+
+
+def test_the_worker_takes_no_shard_once_it_said_it_stopped(tmp_path: Path) -> None:
+    """Taking a shard and stopping are one step: a stop that comes while a shard is being taken is answered after
+    that shard's ``take`` line, and no shard is taken after the answer (the parent's list of the worker's shards is
+    complete when it reads ``stopped``)."""
+    src = sample(tmp_path / "src")
+    plan = plan_conversion(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    lines: list[str] = []
+    probing, release = threading.Event(), threading.Event()
+    worker = headstart._Worker(plan, out, Target.OCP, 1, lines.append)
+
+    def probe(shard) -> bool:  # (called while the shard is being taken)
+        probing.set()
+        release.wait(10)
+        return True
+
+    worker._in_page_cache = probe
+    running = threading.Thread(target=worker.run)
+    running.start()
+    assert probing.wait(10)
+    stopping = threading.Thread(target=worker.stop)
+    stopping.start()
+    time.sleep(0.2)
+    assert lines == [], "the stop waits for the shard being taken"
+    release.set()
+    stopping.join(10)
+    running.join(60)
+    last = plan.shards[-1].name
+    assert lines[:2] == [f'take "{last}"', "stopped"]
+    assert [line for line in lines if line.startswith("take")] == [lines[0]]
+    assert lines[-1].startswith(f'done ["{last}"') and sorted(p.name for p in out.iterdir()) == [last]
