@@ -127,13 +127,14 @@ def test_an_invalid_value_is_given_back_and_reported_by_the_pipeline(tmp_path: P
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 
-def test_cancel_leaves_only_finished_shards(tmp_path: Path) -> None:
+@pytest.mark.parametrize("after", [0.0, 0.5], ids=["before it read its plan", "while it converts"])
+def test_cancel_leaves_only_finished_shards(tmp_path: Path, after: float) -> None:
     src = sample(tmp_path / "src")
     plan = plan_conversion(src)
     out = tmp_path / "out"
     out.mkdir()
     head = HeadStart(plan, out, Target.OCP, threads=1)
-    time.sleep(0.5)
+    time.sleep(after)
     head.cancel()
     finished = {f.shard.name for f in head.finished}
     assert {p.name for p in out.iterdir()} == finished

@@ -105,12 +105,10 @@ class HeadStart:
                                       stderr=subprocess.DEVNULL, env=env)
         self._listener = threading.Thread(target=self._listen, name="transformd-head-start", daemon=True)
         self._listener.start()
-        try:
-            raw = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-            self._proc.stdin.write(struct.pack("<Q", len(raw)) + raw)
-            self._proc.stdin.flush()
-        except OSError:  # the worker died at once: nothing taken, the pipeline does everything
-            self.cancel()
+        # The plan is written on a thread: the pipe holds 64 KiB and the worker reads only once it has started (0.2-0.5
+        # s), which this thread, about to import torch, should not wait for.
+        self._feeder = threading.Thread(target=self._feed, args=(plan,), name="transformd-head-start-plan", daemon=True)
+        self._feeder.start()
 
     @classmethod
     def start(cls, plan: ConversionPlan, out: Path, target: Target) -> HeadStart | None:
@@ -175,6 +173,9 @@ class HeadStart:
     def cancel(self) -> None:
         """Stop the worker now (it abandons the shard under way); returns once it has ended, its partial files
         removed."""
+        if self._feeder.is_alive():  # the worker is not reading its plan (yet): end it, so that the writing ends
+            self._proc.kill()
+            self._feeder.join()
         with contextlib.suppress(OSError):
             self._proc.stdin.close()  # (EOF: cancel)
         self._wait()
@@ -191,7 +192,17 @@ class HeadStart:
         with self._changed:
             return sorted(self._left)
 
+    def _feed(self, plan: ConversionPlan) -> None:
+        raw = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        with contextlib.suppress(OSError, ValueError):  # (a worker that died or was cancelled: nothing taken)
+            self._proc.stdin.write(struct.pack("<Q", len(raw)) + raw)
+            self._proc.stdin.flush()
+
     def _send(self, line: bytes) -> None:
+        self._feeder.join(ANSWER_S)  # (after the plan; a worker that never reads it is ended)
+        if self._feeder.is_alive():
+            self._proc.kill()
+            self._feeder.join()
         with contextlib.suppress(OSError, ValueError):
             self._proc.stdin.write(line)
             self._proc.stdin.flush()
@@ -203,6 +214,7 @@ class HeadStart:
             self._proc.kill()
             self._proc.wait()
         self._listener.join()
+        self._feeder.join()  # (its write ended when the worker did)
         with contextlib.suppress(OSError):
             self._proc.stdin.close()
 
@@ -443,7 +455,6 @@ class _Files:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
 
 
 def _serve(argv: list[str]) -> int:
