@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TextIO
 
-__all__ = ["COUNTERS", "RATE_WINDOW_S", "ConvertProgress", "Eta", "Progress", "counters", "human_bytes", "human_seconds", "summary"]
+__all__ = ["COUNTERS", "RATE_WINDOW_S", "ConvertProgress", "Eta", "Progress", "counters", "human_bytes",
+           "human_seconds", "summary"]
 
 #: Window of the rate estimates (seconds).
 RATE_WINDOW_S = 10.0
