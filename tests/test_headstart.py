@@ -220,3 +220,9 @@ def test_the_worker_takes_no_shard_once_it_said_it_stopped(tmp_path: Path) -> No
     assert lines[:2] == [f'take "{last}"', "stopped"]
     assert [line for line in lines if line.startswith("take")] == [lines[0]]
     assert lines[-1].startswith(f'done ["{last}"') and sorted(p.name for p in out.iterdir()) == [last]
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (8, 6), (16, 14), (192, headstart.MAX_THREADS)])
+def test_the_worker_leaves_two_cores_and_takes_at_most_max_threads(monkeypatch, cores: int, threads: int) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert headstart.head_start_threads() == threads
