@@ -10,7 +10,9 @@ end]}`` (offsets relative to the start of the data), plus an optional
 section exactly: no gaps, no overlaps, nothing after the last one.
 
 Torch-free so that what only looks at headers (a plan, engine readiness, a warm cache hit, the daemon's
-file listing) starts without importing torch; :mod:`transformd.safetensors_io` adds tensor reads and the writer.
+file listing) starts without importing torch; :mod:`transformd.safetensors_io` adds tensor reads as torch tensors and
+:mod:`transformd.safetensors_writer` the writer. :class:`ShardFiles` reads byte ranges of a checkpoint's shards into
+buffers (the conversion pipeline's and the head start's reads).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,7 @@ __all__ = [
     "MAX_TENSORS",
     "CheckpointError",
     "Header",
+    "ShardFiles",
     "TensorInfo",
     "read_header",
     "tensor_nbytes",
@@ -235,3 +239,38 @@ def _short(x: object, limit: int = 200) -> str:
     except (ValueError, RecursionError):  # an integer past Python's digit limit, or deep nesting
         text = f"<{type(x).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ShardFiles:
+    """A checkpoint's shards opened on first use (by name; each read ahead whole by the kernel), for positional
+    reads from any thread, until :meth:`close`."""
+
+    def __init__(self, src: str | os.PathLike[str]):
+        self.src = Path(src)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def read_into(self, shard: str, offset: int, buf: object) -> None:
+        """Fill the writable, contiguous buffer ``buf`` (a NumPy array, a memoryview) with ``shard``'s bytes from
+        absolute offset ``offset``; :class:`CheckpointError` naming the file if it ends first."""
+        with self._lock:
+            fd = self._fds.get(shard)
+            if fd is None:
+                fd = self._fds[shard] = os.open(self.src / shard, os.O_RDONLY)
+                if hasattr(os, "posix_fadvise"):  # read ahead the whole shard while its first pieces convert
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if not got:
+                end = offset + len(view)
+                problem = f"file ended {len(view) - done} bytes early while reading bytes [{offset}, {end})"
+                raise CheckpointError(problem, file=self.src / shard)
+            done += got
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

@@ -48,6 +48,7 @@ from .. import _durable
 from ..formats import TILE, Target
 from ..numpy_exact import convert_exact, table
 from ..readahead import in_page_cache
+from ..safetensors_header import ShardFiles
 from ..safetensors_writer import SafetensorsWriter
 from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
 
@@ -253,7 +254,7 @@ class HeadStart:
 
 
 class _GiveBack(Exception):
-    """The worker cannot convert this shard (a value the torch path must judge, a read that fell short, a cancel)."""
+    """The worker cannot convert this shard (a value the torch path must judge, an empty weight, a cancel)."""
 
 
 class _Worker:
@@ -323,7 +324,7 @@ class _Worker:
             os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # (created here, as the writer does)
             size = _durable.copy_file(src, dst, check=self._check, fsync=False)
             return size, lambda: _durable.fsync_file(dst)
-        files = _Files(self.plan.src)
+        files = ShardFiles(self.plan.src)
         try:
             with open(src, "rb") as source:
                 writer = SafetensorsWriter(dst, output_specs(self.target, shard), shard.header.metadata)
@@ -341,7 +342,7 @@ class _Worker:
 
         return read, finish
 
-    def _fill(self, shard: ShardPlan, writer: SafetensorsWriter, source, files: _Files,
+    def _fill(self, shard: ShardPlan, writer: SafetensorsWriter, source, files: ShardFiles,
               pool: concurrent.futures.Executor) -> int:
         """Write the shard's tensors in order: units converted on ``pool`` ahead of the writing, the tensors that do
         not change copied from ``source``. Returns the bytes read."""
@@ -394,12 +395,13 @@ class _Worker:
             raise
         return read
 
-    def _convert(self, pair: MxPair, unit: tuple[int, int, int], files: _Files
+    def _convert(self, pair: MxPair, unit: tuple[int, int, int], files: ShardFiles
                  ) -> tuple[np.ndarray, np.ndarray, int]:
         """Convert rows [r0, r1) of expert e of ``pair``: (codes, scale_inv, bytes read)."""
         e, r0, r1 = unit
         *_, n, k = pair.weight.shape
-        codes = files.read(pair.weight_shard, pair.weight.begin + (e * n + r0) * k, (r1 - r0, k))
+        codes = np.empty((r1 - r0, k), dtype=np.uint8)
+        files.read_into(pair.weight_shard, pair.weight.begin + (e * n + r0) * k, codes)
         scales, scale_bytes = _read_scales(pair, e, r0, r1, files)
         converted = convert_exact(codes, scales, fnuz=self._fnuz, out=codes)
         if converted is None:
@@ -420,45 +422,16 @@ def _units(pair: MxPair) -> Iterator[tuple[int, int, int]]:
             yield e, r0, min(n, r0 + rows)
 
 
-def _read_scales(pair: MxPair, e: int, r0: int, r1: int, files: _Files) -> tuple[np.ndarray, int]:
+def _read_scales(pair: MxPair, e: int, r0: int, r1: int, files: ShardFiles) -> tuple[np.ndarray, int]:
     """The E8M0 scales of rows [r0, r1) of expert ``e``, one row per weight row (Rx32 blocks repeated)."""
     *_, rows, per_row = pair.scale.shape
     r = pair.row_block
     first, stop = r0 // r, (r1 - 1) // r + 1
-    block = files.read(pair.scale_shard, pair.scale.begin + (e * rows + first) * per_row, (stop - first, per_row))
+    block = np.empty((stop - first, per_row), dtype=np.uint8)
+    files.read_into(pair.scale_shard, pair.scale.begin + (e * rows + first) * per_row, block)
     if r == 1:
         return block, block.nbytes
     return np.repeat(block, r, axis=0)[r0 - first * r : r1 - first * r], block.nbytes
-
-
-class _Files:
-    """Input shards opened on first use, for positional reads into new arrays, until :meth:`close`."""
-
-    def __init__(self, src: Path):
-        self.src = src
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def read(self, shard: str, offset: int, shape: tuple[int, int]) -> np.ndarray:
-        with self._lock:
-            fd = self._fds.get(shard)
-            if fd is None:
-                fd = self._fds[shard] = os.open(self.src / shard, os.O_RDONLY)
-        out = np.empty(shape, dtype=np.uint8)
-        view = memoryview(out).cast("B")
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if not got:
-                raise _GiveBack(f"{shard} ended early")
-            done += got
-        return out
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
 
 
 def _serve(argv: list[str]) -> int:

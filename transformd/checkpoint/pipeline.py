@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +15,8 @@ from ..formats import MX_BLOCK, MxFormatError, ScaleMode, Target
 from ..kernels import GroupMemberError, PackedWeight
 from ..mx import expand_row_blocks
 from ..progress import Progress
+from ..safetensors_header import ShardFiles
 from ..safetensors_io import (
-    CheckpointError,
     SafetensorsWriter,
     TensorInfo,
     tensor_nbytes,
@@ -324,7 +323,7 @@ class _Lane:
     # -- reader
 
     def read(self) -> None:
-        files = _OpenFiles(self.run.plan.src)
+        files = ShardFiles(self.run.plan.src)
         pending = list(self.shards)
         try:
             while pending:
@@ -357,7 +356,7 @@ class _Lane:
         name = self.run.shard_order.next([s.name for s in pending])
         return next((s for s in pending if s.name == name), pending[0])
 
-    def _read_pair(self, pair: MxPair, files: _OpenFiles) -> None:
+    def _read_pair(self, pair: MxPair, files: ShardFiles) -> None:
         """Read the weight's pieces into the open batch, each after the last while it fits, else a new slot."""
         pieces = units(pair.weight.shape, self.sizes.piece_bytes)
         for i, unit in enumerate(pieces):
@@ -369,7 +368,7 @@ class _Lane:
             batch = self._batch
             where = packed(unit, batch.used, batch.tiles)
             codes, scales = where.views(batch.slot)
-            files.read_into(pair.weight_shard, pair.weight.begin + unit.code_offset, codes)
+            files.read_into(pair.weight_shard, pair.weight.begin + unit.code_offset, codes.numpy())
             self.run.tally.add(read=codes.numel() + _read_scales(pair, unit, files, scales))
             batch.pieces.append(_Piece(pair, unit, where, last=i == len(pieces) - 1))
             batch.used += size
@@ -488,52 +487,20 @@ class _Lane:
                 self.run.shard_order.done(path.name, path)
 
 
-def _read_scales(pair: MxPair, unit: Unit, files: _OpenFiles, out: torch.Tensor) -> int:
+def _read_scales(pair: MxPair, unit: Unit, files: ShardFiles, out: torch.Tensor) -> int:
     """Read the E8M0 scales of ``unit`` into ``out`` (one row of scales per weight row); return the bytes read.
 
     Rx32 block scales (Quark ``per_block``) are read once per block row and repeated for the R rows they cover.
     """
     if pair.row_block == 1:
-        files.read_into(pair.scale_shard, pair.scale.begin + unit.code_offset // MX_BLOCK, out)
+        files.read_into(pair.scale_shard, pair.scale.begin + unit.code_offset // MX_BLOCK, out.reshape(-1).numpy())
         return out.numel()
     *_, rows, kb = pair.scale.shape
     first, stop = unit.r0 // pair.row_block, (unit.r1 - 1) // pair.row_block + 1
     block = torch.empty((unit.e1 - unit.e0, stop - first, kb), dtype=torch.uint8)
     for i, e in enumerate(range(unit.e0, unit.e1)):
-        files.read_into(pair.scale_shard, pair.scale.begin + (e * rows + first) * kb, block[i])
+        files.read_into(pair.scale_shard, pair.scale.begin + (e * rows + first) * kb, block[i].numpy())
     per_row = expand_row_blocks(block, stop * pair.row_block - first * pair.row_block, pair.row_block)
     skip = unit.r0 - first * pair.row_block
     out.copy_(per_row[:, skip : skip + unit.r1 - unit.r0].reshape(out.shape))
     return block.numel()
-
-
-class _OpenFiles:
-    """Input shards opened on first use (by name), for positional reads, until :meth:`close`."""
-
-    def __init__(self, src: Path):
-        self.src = src
-        self._fds: dict[str, int] = {}
-
-    def read_into(self, shard: str, offset: int, buf: torch.Tensor) -> None:
-        """Fill the uint8 tensor ``buf`` with ``shard``'s bytes from absolute offset ``offset``."""
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._fds[shard] = os.open(self.src / shard, os.O_RDONLY)
-            if hasattr(os, "posix_fadvise"):  # read ahead the whole shard while its first pieces convert
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        view = memoryview(buf.reshape(-1).numpy()).cast("B")
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if not got:
-                end = offset + len(view)
-                problem = f"file ended {len(view) - done} bytes early while reading bytes [{offset}, {end})"
-                raise CheckpointError(problem, file=self.src / shard)
-            done += got
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
