@@ -221,7 +221,8 @@ def test_with_no_worker_free_the_source_is_hashed_first_and_answered_at_once(sta
             assert ready_b["state"] == "ready"
             timings = _manifest_timings(ready_b)
             assert "identify" in timings and "hash_alongside" not in timings, timings
-            assert answers[0].status_code == 202, answers[0].text
+            # (answered once hashed alongside its conversion: with so small a source that may be after it is ready)
+            assert answers[0].status_code in (200, 202), answers[0].text
             ready_a = wait_ready(http, answers[0].json()["key"])
             assert ready_a["state"] == "ready" and "hash_alongside" in _manifest_timings(ready_a)
     finally:
