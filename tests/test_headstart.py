@@ -172,20 +172,67 @@ def test_last_shard_in_page_cache_only_on_a_source_in_the_page_cache(tmp_path: P
     assert not in_page_cache(tmp_path / "missing") and not last_shard_in_page_cache(tmp_path)
 
 
+@pytest.mark.parametrize("into", ["--out", "--cache-dir"])
 @pytest.mark.parametrize("flag", [[], ["--no-head-start"]])
-def test_the_cli_in_a_fresh_process(tmp_path: Path, flag: list[str]) -> None:
+def test_the_cli_in_a_fresh_process(tmp_path: Path, flag: list[str], into: str) -> None:
     """What a user runs: torch not imported yet, the source just written (in the page cache): the head start runs
-    beside the import (unless turned off); the output is the pipeline's either way."""
+    beside the import (unless turned off), into an output directory or, without a daemon, into the cache (reading the
+    cache's checked descriptors); the output is the pipeline's either way, and a cache entry verifies."""
     src = sample(tmp_path / "src")
     convert_checkpoint(src, tmp_path / "plain", target="ocp", device="cpu", head_start=False)
     for shard in src.glob("*.safetensors"):
         shard.read_bytes()
-    proc = subprocess.run([sys.executable, "-m", "transformd", "convert", str(src), "--out", str(tmp_path / "out"),
-                           "--device", "cpu", "--target", "ocp", *flag], capture_output=True, text=True, timeout=300)
+    cli = [sys.executable, "-m", "transformd"]
+    more = ["--no-daemon"] if into == "--cache-dir" else []
+    proc = subprocess.run([*cli, "convert", str(src), into, str(tmp_path / "out"), "--device", "cpu", "--target",
+                           "ocp", *more, *flag], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    same_tree(tmp_path / "plain", tmp_path / "out")
+    same_tree(tmp_path / "plain", Path(proc.stdout.strip().splitlines()[-1]))
     summary = proc.stderr.strip().splitlines()[-1]
-    assert "head start" in summary if not flag else "head start" not in summary and "on the CPU while" not in summary
+    if flag:
+        assert "head start" not in summary and "on the CPU while" not in summary, summary
+    else:
+        assert "head start" in summary and " of 5 shards on the CPU while torch was imported" in summary, summary
+    if into == "--cache-dir":
+        check = subprocess.run([*cli, "cache", "verify", "--cache-dir", str(tmp_path / "out")], capture_output=True,
+                               text=True, timeout=300)
+        assert check.returncode == 0 and "1 entries checked, 0 corrupt" in check.stdout, check.stdout + check.stderr
+
+
+def test_a_checked_source_is_read_through_its_descriptors(tmp_path: Path) -> None:
+    """The cache converts a view of a source whose entries link to ``/proc/self/fd/N`` of its checked descriptors:
+    the worker gets those descriptors under the same numbers and reads the files that were checked, whatever the
+    source's names lead to by then (here: another checkpoint's values under the same names)."""
+    from transformd.cache.securefs import open_source
+
+    src = sample(tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "plain", target="ocp", device="cpu", head_start=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    with open_source(src) as tree:
+        view = tree.view()
+        src.rename(tmp_path / "moved")
+        sample(src, seed=7)
+        plan = plan_conversion(view)
+        assert headstart.source_descriptors(plan) == tuple(sorted(f.fd for f in tree.files
+                                                                  if f.rel.endswith(".safetensors")))
+        head = HeadStart(plan, out, Target.OCP)
+        try:
+            wait_for_finished(head, len(plan.shards))
+        finally:
+            head.cancel()
+    assert not head.gave_back
+    for shard in plan.shards:
+        assert filecmp.cmp(out / shard.name, tmp_path / "plain" / shard.name, shallow=False), shard.name
+    assert not filecmp.cmp(src / plan.shards[-1].name, tmp_path / "moved" / plan.shards[-1].name, shallow=False)
+
+
+def test_a_descriptor_among_the_standard_streams_gets_no_head_start(tmp_path: Path, monkeypatch) -> None:
+    """A source descriptor numbered 0-2 (a parent started with its standard streams closed) would be shadowed by
+    the worker's own pipes: no worker is started, the pipeline converts everything."""
+    src = sample(tmp_path / "src")
+    monkeypatch.setattr(headstart, "source_descriptors", lambda plan: (2, 5))
+    assert HeadStart.start(plan_conversion(src), tmp_path, Target.OCP) is None
 
 
 def test_the_worker_takes_no_shard_once_it_said_it_stopped(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -58,8 +59,12 @@ def _warm_up(device: str, recipe: Recipe) -> None:
 class TransformdConverter:
     """The default converter: :func:`transformd.checkpoint.write_checkpoint` into ``out``."""
 
-    def __init__(self, device: str = "auto"):
-        self.device = device
+    def __init__(self, device: str = "auto", *, head_start: bool | None = False):
+        """``head_start``: None: a head start (:mod:`transformd.checkpoint.headstart`) converts the last shards on
+        the CPU while this process imports torch, when it has yet to and the source's last shard is in the page
+        cache (``transformd convert --cache-dir`` without a daemon); True: whenever the scale mode is exact
+        (tests); False (the default, the daemon's): never."""
+        self.device, self.head_start = device, head_start
 
     def prepare(self, recipe: Recipe) -> None:
         """Start importing what the conversion needs in a background thread (once per process), and loading the
@@ -86,15 +91,26 @@ class TransformdConverter:
         # imported late (the cache does not need torch code), and never beside the warm-up's imports; the plan and
         # the first batch's reading overlap the kernel's load, which the first launch waits for
         warming = _warming
-        while warming is not None and not _imported.wait(0.1) and warming.is_alive():
-            pass
-        from ..checkpoint import conversion_devices, plan_conversion, write_checkpoint
-        from ..checkpoint.pipeline import release_cached_memory
+        importing = not _imported.is_set() if warming is not None else "torch" not in sys.modules
+        head = None
+        if self._wants_head_start(Path(src), recipe, importing):  # planned first, the worker started, then torch
+            from ..checkpoint.headstart import HeadStart
+            from ..checkpoint.plan import plan_conversion  # (no torch)
+            from ..formats import Target
 
-        if plan is None or plan.select != recipe.select:
-            plan = plan_conversion(src, select=recipe.select)
-        devices = conversion_devices(self.device)
+            plan = dataclasses.replace(plan if plan is not None and plan.select == recipe.select
+                                       else plan_conversion(src, select=recipe.select), src=Path(src))
+            Path(out).mkdir()
+            head = HeadStart.start(plan, Path(out), Target(recipe.target))
+        devices = None
         try:
+            while warming is not None and not _imported.wait(0.1) and warming.is_alive():
+                pass
+            from ..checkpoint import conversion_devices, plan_conversion, write_checkpoint
+
+            if plan is None or plan.select != recipe.select:
+                plan = plan_conversion(src, select=recipe.select)
+            devices = conversion_devices(self.device)
             return write_checkpoint(
                 dataclasses.replace(plan, src=Path(src)),
                 out,
@@ -103,12 +119,30 @@ class TransformdConverter:
                 devices=devices,
                 progress=progress,
                 shard_order=shard_order,
+                head_start=head,
             )
+        except BaseException:
+            if head is not None:
+                head.cancel()  # (it writes into ``out``, which the cache removes)
+            raise
         finally:
-            if warming is not None and warming.is_alive():  # (a conversion that launched nothing, or failed early)
+            if warming is not None and warming.is_alive() and devices is not None:  # (launched nothing, or failed)
+                from ..checkpoint.pipeline import release_cached_memory
+
                 warming.join()
                 with contextlib.suppress(Exception):  # (never in place of the conversion's own error)
                     release_cached_memory(devices)  # the warm-up's buffers
 
+    def _wants_head_start(self, src: Path, recipe: Recipe, importing: bool) -> bool:
+        """Whether a head start converts the last shards of ``src`` on the CPU while torch is imported (see
+        ``head_start`` in :meth:`__init__`; ``importing``: this process has yet to import torch). Its worker reads
+        the source through this process's checked descriptors (the view's links), not by name."""
+        from ..formats import ScaleMode
+        from ..readahead import last_shard_in_page_cache
+
+        if self.head_start is False or ScaleMode(recipe.scale_mode) is not ScaleMode.EXACT:
+            return False
+        return self.head_start is True or (importing and last_shard_in_page_cache(src))
+
     def __repr__(self) -> str:
-        return f"TransformdConverter(device={self.device!r})"
+        return f"TransformdConverter(device={self.device!r}, head_start={self.head_start!r})"

@@ -147,7 +147,8 @@ class SourceTree:
     def view(self) -> Path:
         """A private directory mirroring the source, each file a symlink to its checked descriptor.
 
-        Lives until :meth:`close`. Only this process can follow the links (``/proc/self``).
+        Lives until :meth:`close`. Only this process can follow the links (``/proc/self``), and a head start's worker
+        (:mod:`transformd.checkpoint.headstart`), to which it passes the descriptors under the same numbers.
         """
         d = tempfile.mkdtemp(prefix="transformd-src-")
         self._views.append(d)

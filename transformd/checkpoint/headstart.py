@@ -13,7 +13,9 @@ H200 machine, 14 threads converted 2.0 GB/s alone but 0.44 GB/s beside ``import 
 When the pipeline starts (its first :meth:`HeadStart.claim`) the worker is told to stop: it finishes the shard under
 way and takes no other, and tells which shards it took; the pipeline converts every other one. The worker takes
 shards from the end only while they are in the page cache (the first that is not stops it: a cold source is left to
-the pipeline's reads in order). Anything
+the pipeline's reads in order). A source read through checked descriptors (the cache's view of a source, whose
+entries are symlinks to ``/proc/self/fd/N``: :mod:`transformd.cache.securefs`) is read by the worker through the
+same descriptors, passed to it under the same numbers: it opens no file by the source's names either. Anything
 it cannot convert (a value the torch path must judge, a failed read or write) makes it give that shard back and
 stop; the pipeline converts the shard, and reports an invalid value there, naming the file and the tensor, as it
 always did. If the conversion fails or the caller goes away, the worker is cancelled (its stdin closes): it
@@ -31,6 +33,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -52,7 +55,7 @@ from ..safetensors_header import ShardFiles
 from ..safetensors_writer import SafetensorsWriter
 from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
 
-__all__ = ["Finished", "HeadStart", "head_start_threads"]
+__all__ = ["Finished", "HeadStart", "head_start_threads", "source_descriptors"]
 
 #: Code bytes converted at once by one thread (a band of whole 128-row tiles of one expert).
 UNIT_BYTES = 8 << 20
@@ -63,6 +66,8 @@ AHEAD_UNITS = 2
 MAX_THREADS = 16
 #: Seconds the pipeline waits for the worker to say which shards it took, and for it to end when cancelled.
 ANSWER_S = 30.0
+#: A view's entry: a link to a descriptor of the process that made the view.
+_PROC_FD = re.compile(r"/proc/self/fd/(\d+)")
 
 
 def head_start_threads() -> int:
@@ -73,6 +78,20 @@ def head_start_threads() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(1, min(MAX_THREADS, cores - 2))
+
+
+def source_descriptors(plan: ConversionPlan) -> tuple[int, ...]:
+    """The descriptors of this process that ``plan``'s files are read through: those of the entries of
+    ``plan.src`` that are symlinks to ``/proc/self/fd/N`` (a cache's view of a checked source), passed to the
+    worker under the same numbers so that the same links lead to the same open files there. None for a plain
+    directory."""
+    fds = set()
+    for name in {*(s.name for s in plan.shards), *(p.scale_shard for s in plan.shards for p in s.pairs)}:
+        with contextlib.suppress(OSError):
+            match = _PROC_FD.fullmatch(os.readlink(plan.src / name))
+            if match:
+                fds.add(int(match.group(1)))
+    return tuple(sorted(fds))
 
 
 @dataclass(frozen=True)
@@ -105,9 +124,12 @@ class HeadStart:
         threads = threads if threads is not None else head_start_threads()
         command = [sys.executable, "-m", __name__, str(out), Target(target).value, str(threads)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # (this process's modules)
+        fds = source_descriptors(plan)
+        if min(fds, default=3) < 3:  # (the worker's own standard streams would take those numbers)
+            raise OSError(f"a source descriptor numbered {min(fds)}: not passed to a worker")
         # (its standard error is not the user's: a worker that fails only means the pipeline converts everything)
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, env=env)
+                                      stderr=subprocess.DEVNULL, env=env, pass_fds=fds)
         self._listener = threading.Thread(target=self._listen, name="transformd-head-start", daemon=True)
         self._listener.start()
         # The plan is written on a thread: the pipe holds 64 KiB and the worker reads only once it has started (0.2-0.5

@@ -45,9 +45,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--report", action="store_true",
                          help="print the reconstruction error per tensor and overall before DIR")
     convert.add_argument("--no-head-start", action="store_true",
-                         help="with --out: convert only in this process's pipeline (by default, when the source is "
-                              "in the page cache, a worker process converts its last shards on the CPU while torch is "
-                              "imported; the same bytes)")
+                         help="convert only in this process's pipeline (by default, when this process converts and "
+                              "the source is in the page cache, a worker process converts its last shards on the CPU "
+                              "while torch is imported; the same bytes)")
     convert.add_argument("--no-daemon", action="store_true",
                          help="into the cache, convert in this process even when a transformd daemon serves the "
                               "same cache directory (by default that daemon converts, without this process's "
@@ -206,13 +206,15 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
-    from ..cache import Cache, PendingIdentity, Recipe, cache_key
+    from ..cache import Cache, PendingIdentity, Recipe, TransformdConverter, cache_key
     from ..checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
     from ..progress import ConvertProgress
 
     if args.overwrite:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
-    cache = Cache(args.cache_dir, device=args.device)
+    # a conversion of its own (no daemon) gets a head start as --out does (the daemon's never: its torch is imported)
+    head_start = False if args.no_head_start else None
+    cache = Cache(args.cache_dir, converter=TransformdConverter(args.device, head_start=head_start))
     recipe = Recipe(target=target, scale_mode=args.scale_mode, select=args.select)
     # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
     # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
