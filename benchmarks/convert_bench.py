@@ -444,6 +444,8 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
             ("baseline: the same again (warm hit)", False,
              lambda: timed([*convert, "--cache-dir", base_cache], base), Path(base_cache)),
         ]
+        steps.append(("baseline: convert --cache-dir, page cache", False,
+                      lambda: timed([*convert, "--cache-dir", base_cache + "-pc"], base), Path(base_cache + "-pc")))
         if args.baseline_out:
             steps[2:2] = [("baseline: convert SRC --out D", True,
                            lambda: timed([*convert, "--out", str(root / "out")], base), root / "out")]

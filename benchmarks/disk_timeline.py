@@ -10,7 +10,7 @@ batches converted, the first bytes written, the first shards fsynced and the sta
 how far it had read).
 
     python3 benchmarks/disk_timeline.py --gib 16 --dir /tmp/wp --device cuda [--rounds 1] [--cold-source-only]
-        [--daemon] [--skip REGEX] [--page-cache]
+        [--daemon] [--skip REGEX] [--page-cache] [--baseline DIR]
 
 A diagnostic, Linux only: the phases come from wrapping a few of the package's functions inside the child
 process (``--child``), which costs nothing measurable but is not what users run; the whole-process times to
@@ -124,21 +124,25 @@ def child(t0: float, argv: list[str]) -> None:
         setattr(owner, name, wrapper)
 
     log("python started")
-    import transformd.checkpoint as package  # (torch-free: its names load on first use)
+    if os.environ.get("TRANSFORMD_TIMELINE_PACKAGE"):  # --baseline: that checkout's package, not this one's
+        sys.path.insert(0, os.environ["TRANSFORMD_TIMELINE_PACKAGE"])
+    import importlib.abc
+
     import transformd.readahead as readahead
 
     before(readahead.ReadAhead, "stop",
            lambda ahead: once("ahead", f"read-ahead stopped, {ahead.bytes_read / GiB:.2f} GiB read"))
 
-    def wrap_pipeline() -> None:  # once torch is imported
-        from transformd import safetensors_io
-        from transformd.checkpoint import convert, pieces
-
-        from transformd.checkpoint import stages
-
+    def wrap_convert(convert) -> None:  # (torch-free in trees with a head start, not in older ones)
         around(convert, "plan_conversion", "plan")
         around(convert, "plan_readiness", "readiness report")
         before(convert, "write_checkpoint", lambda *a: log("plan made, writing starts"))
+
+    def wrap_pipeline(pipeline) -> None:  # its module imports torch first thing
+        log("torch and the pipeline imported")
+        from transformd import safetensors_io
+        from transformd.checkpoint import pieces, stages
+
         around(pieces, "warm_up", "kernel warm-up")
         around(stages.SlotPool, "take", "slot taken", first=2)
         around(pieces.KernelConverter, "__call__", "batch converted", first=2)
@@ -146,16 +150,37 @@ def child(t0: float, argv: list[str]) -> None:
         before(safetensors_io.SafetensorsWriter, "write", lambda *a: once("write", "first converted bytes written"))
         before(safetensors_io.SafetensorsWriter, "copy_from", lambda *a: once("copy", "first tensor copied"))
 
-    lazy = package.__getattr__
+    def wrap_head_start(headstart) -> None:
+        around(headstart.HeadStart, "start", "head start")
+        before(headstart.HeadStart, "claim", lambda *a: once("claim", "pipeline's first claim (head start stops)"))
 
-    def loaded(name: str) -> object:
-        value = lazy(name)
-        if "torch" not in seen:
-            once("torch", f"torch and the pipeline imported (for {name})")
-            wrap_pipeline()
-        return value
+    hooks = {"transformd.checkpoint.convert": wrap_convert, "transformd.checkpoint.pipeline": wrap_pipeline,
+             "transformd.checkpoint.headstart": wrap_head_start}
 
-    package.__getattr__ = loaded
+    class Hooks(importlib.abc.MetaPathFinder):
+        """Calls ``hooks[name](module)`` once the module ``name`` has run (wherever and whenever it is imported, so
+        that timing it imports nothing early)."""
+
+        def find_spec(self, name, path, target=None):
+            if name not in hooks:
+                return None
+            sys.meta_path.remove(self)
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                sys.meta_path.insert(0, self)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                hooks.pop(name)(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    import importlib.util
+
+    sys.meta_path.insert(0, Hooks())
     import atexit
     import runpy
 
@@ -176,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-cache", action="store_true",
                    help="the source read into the page cache before each step instead of dropped from it")
     p.add_argument("--skip", metavar="REGEX", help="leave out the steps whose name matches")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="a directory holding another transformd package: its convert --out is timed after each of "
+                        "this one's")
     args = p.parse_args(argv)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -185,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sample: {sample['bytes'] / GiB:.2f} GiB in {sample['shards']} shards; disk {disk}", flush=True)
     convert = [sys.executable, __file__, "--child", "convert", str(src), "--device", args.device]
 
-    def run(cmd: list[str]) -> list[str]:
+    def run(cmd: list[str], package: str | None = None) -> list[str]:
         env = {**cb._child_env(), "TRANSFORMD_TIMELINE_T0": repr(time.time())}
+        if package:
+            env["TRANSFORMD_TIMELINE_PACKAGE"] = package
+            env["PYTHONPATH"] = os.pathsep.join((package, env["PYTHONPATH"]))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cb.REPO, check=False)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -217,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
              ("convert SRC --out D", lambda: run([*convert, "--out", str(root / "out")]), root / "out"),
              ("convert SRC --cache-dir C (cold)", lambda: run([*convert, "--cache-dir", str(root / "cache")]),
               root / "cache")]
+    if args.baseline:
+        base = str(Path(args.baseline).resolve())
+        cb.byte_compile(Path(base))
+        steps.insert(2, ("baseline: convert SRC --out D", lambda: run([*convert, "--out", str(root / "out")], base),
+                         root / "out"))
     if args.daemon:
         steps.append(("daemon: started, then its first resolve (cold)", daemon, root / "cache-daemon"))
     steps = [step for step in steps if not (args.skip and re.search(args.skip, step[0]))]
