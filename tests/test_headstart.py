@@ -199,6 +199,39 @@ def test_the_cli_in_a_fresh_process(tmp_path: Path, flag: list[str], into: str) 
         assert check.returncode == 0 and "1 entries checked, 0 corrupt" in check.stdout, check.stdout + check.stderr
 
 
+def test_the_caches_conversion_starts_the_worker_before_torchs_import(tmp_path: Path) -> None:
+    """A fresh process converting into the cache alongside the hashing: the cache's ``prepare`` leaves the imports
+    to the conversion, which plans and starts the worker first, as ``convert --out`` does (a warm-up thread
+    importing torch beside the plan slowed it and the worker's start)."""
+    src = sample(tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "plain", target="ocp", device="cpu", head_start=False)
+    for f in src.iterdir():  # older than the stat cache's racy window (else it is hashed first, without prepare)
+        os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
+        f.read_bytes()
+    code = f"""if True:
+        import sys
+        from transformd.cache import Cache, Recipe, TransformdConverter
+        from transformd.cache import converter
+        from transformd.checkpoint import headstart
+        real = headstart.HeadStart.start
+        def start(*args):
+            print("worker started:", "torch" in sys.modules, converter._warming is not None, flush=True)
+            return real(*args)
+        headstart.HeadStart.start = start
+        cache = Cache({str(tmp_path / "cache")!r}, converter=TransformdConverter("cpu", head_start=None))
+        cache.hash_alongside_min_bytes = 0
+        entry = cache.get_or_convert({str(src)!r}, Recipe(target="ocp"))
+        print(entry.path, sorted(entry.manifest.timings), entry.manifest.result.get("head_start_shards"))
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    started, done = proc.stdout.strip().splitlines()
+    assert started == "worker started: False False", "torch imported, or importing, before the worker started"
+    path, rest = done.split(" ", 1)
+    assert "'hash_alongside'" in rest and rest.count(".safetensors") == 5, rest
+    same_tree(tmp_path / "plain", Path(path))
+
+
 def test_a_checked_source_is_read_through_its_descriptors(tmp_path: Path) -> None:
     """The cache converts a view of a source whose entries link to ``/proc/self/fd/N`` of its checked descriptors:
     the worker gets those descriptors under the same numbers and reads the files that were checked, whatever the
