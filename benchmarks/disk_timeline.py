@@ -133,9 +133,11 @@ def child(t0: float, argv: list[str]) -> None:
     before(readahead.ReadAhead, "stop",
            lambda ahead: once("ahead", f"read-ahead stopped, {ahead.bytes_read / GiB:.2f} GiB read"))
 
+    def wrap_plan(plan) -> None:  # (the modules that plan import these names from it after this has run)
+        around(plan, "plan_conversion", "plan")
+        around(plan, "plan_readiness", "readiness report")
+
     def wrap_convert(convert) -> None:  # (torch-free in trees with a head start, not in older ones)
-        around(convert, "plan_conversion", "plan")
-        around(convert, "plan_readiness", "readiness report")
         before(convert, "write_checkpoint", lambda *a: log("plan made, writing starts"))
 
     def wrap_pipeline(pipeline) -> None:  # its module imports torch first thing
@@ -154,8 +156,16 @@ def child(t0: float, argv: list[str]) -> None:
         around(headstart.HeadStart, "start", "head start")
         before(headstart.HeadStart, "claim", lambda *a: once("claim", "pipeline's first claim (head start stops)"))
 
-    hooks = {"transformd.checkpoint.convert": wrap_convert, "transformd.checkpoint.pipeline": wrap_pipeline,
-             "transformd.checkpoint.headstart": wrap_head_start}
+    def wrap_cache_converter(converter) -> None:  # --cache-dir: the converter the cache calls
+        around(converter, "_warm_up", "warm-up thread (torch, then the kernel)")
+
+    def wrap_alongside(alongside) -> None:  # --cache-dir: the hashing beside the conversion
+        around(alongside.Hasher, "_run", "hashing (paced by the conversion)")
+        before(alongside.Hasher, "_begun", lambda *a: once("begun", "conversion's first progress: the hashing reads"))
+
+    hooks = {"transformd.checkpoint.plan": wrap_plan, "transformd.checkpoint.convert": wrap_convert,
+             "transformd.checkpoint.pipeline": wrap_pipeline, "transformd.checkpoint.headstart": wrap_head_start,
+             "transformd.cache.converter": wrap_cache_converter, "transformd.cache.alongside": wrap_alongside}
 
     class Hooks(importlib.abc.MetaPathFinder):
         """Calls ``hooks[name](module)`` once the module ``name`` has run (wherever and whenever it is imported, so
