@@ -7,7 +7,8 @@ read and write throughput and the utilisation of the disk under ``--dir`` (``/pr
 for the conversions the moments (seconds from the process's start; for the daemon from its start, which the step
 includes) at which torch was imported, the plan and the engines' report made, the kernel loaded, the first
 batches converted, the first bytes written, the first shards fsynced and the start-up read-ahead stopped (with
-how far it had read).
+how far it had read); the head start's worker started and stopped; into the cache, the warm-up thread and the
+hashing beside the conversion.
 
     python3 benchmarks/disk_timeline.py --gib 16 --dir /tmp/wp --device cuda [--rounds 1] [--cold-source-only]
         [--daemon] [--skip REGEX] [--page-cache] [--baseline DIR]

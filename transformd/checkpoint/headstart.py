@@ -83,7 +83,7 @@ def head_start_threads() -> int:
 def source_descriptors(plan: ConversionPlan) -> tuple[int, ...]:
     """The descriptors of this process that ``plan``'s files are read through: those of the entries of
     ``plan.src`` that are symlinks to ``/proc/self/fd/N`` (a cache's view of a checked source), passed to the
-    worker under the same numbers so that the same links lead to the same open files there. None for a plain
+    worker under the same numbers so that the same links lead to the same open files there. Empty for a plain
     directory."""
     fds = set()
     for name in {*(s.name for s in plan.shards), *(p.scale_shard for s in plan.shards for p in s.pairs)}:
