@@ -128,6 +128,7 @@ def child(t0: float, argv: list[str]) -> None:
     if os.environ.get("TRANSFORMD_TIMELINE_PACKAGE"):  # --baseline: that checkout's package, not this one's
         sys.path.insert(0, os.environ["TRANSFORMD_TIMELINE_PACKAGE"])
     import importlib.abc
+    import importlib.util
 
     import transformd.readahead as readahead
 
@@ -188,8 +189,6 @@ def child(t0: float, argv: list[str]) -> None:
 
             spec.loader.exec_module = exec_module
             return spec
-
-    import importlib.util
 
     sys.meta_path.insert(0, Hooks())
     import atexit

@@ -218,7 +218,7 @@ def test_the_caches_conversion_starts_the_worker_before_torchs_import(tmp_path: 
             print("worker started:", "torch" in sys.modules, converter._warming is not None, flush=True)
             return real(*args)
         headstart.HeadStart.start = start
-        cache = Cache({str(tmp_path / "cache")!r}, converter=TransformdConverter("cpu", head_start=None))
+        cache = Cache({str(tmp_path / "cache")!r}, converter=TransformdConverter("cpu", head_start=True))
         cache.hash_alongside_min_bytes = 0
         entry = cache.get_or_convert({str(src)!r}, Recipe(target="ocp"))
         print(entry.path, sorted(entry.manifest.timings), entry.manifest.result.get("head_start_shards"))

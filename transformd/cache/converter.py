@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..readahead import last_shard_in_page_cache
 from .keys import Recipe
 
 
@@ -69,11 +70,12 @@ def _start_warm_up(device: str, recipe: Recipe) -> threading.Thread:
 class TransformdConverter:
     """The default converter: :func:`transformd.checkpoint.write_checkpoint` into ``out``."""
 
-    def __init__(self, device: str = "auto", *, head_start: bool | None = False):
-        """``head_start``: None: a head start (:mod:`transformd.checkpoint.headstart`) converts the last shards on
-        the CPU while this process imports torch, when it has yet to and the source's last shard is in the page
-        cache (``transformd convert --cache-dir`` without a daemon); True: whenever the scale mode is exact
-        (tests); False (the default, the daemon's): never."""
+    def __init__(self, device: str = "auto", *, head_start: bool = False):
+        """``head_start``: a head start (:mod:`transformd.checkpoint.headstart`) converts the last shards on the CPU
+        while this process imports torch, when it has yet to, the scale mode is exact and the source's last shard is
+        in the page cache (``transformd convert --cache-dir`` without a daemon); never with False (the default, the
+        daemon's: its torch is imported). Its worker reads the source through this process's checked descriptors
+        (the view's links), not by name."""
         self.device, self.head_start = device, head_start
 
     def prepare(self, recipe: Recipe) -> None:
@@ -95,8 +97,8 @@ class TransformdConverter:
         torch not imported nor being imported."""
         from ..formats import ScaleMode
 
-        return (self.head_start is not False and ScaleMode(recipe.scale_mode) is ScaleMode.EXACT
-                and _warming is None and "torch" not in sys.modules)
+        return (self.head_start and ScaleMode(recipe.scale_mode) is ScaleMode.EXACT and _warming is None
+                and "torch" not in sys.modules)
 
     def __call__(
         self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None], *, shard_order: Any = None,
@@ -108,9 +110,8 @@ class TransformdConverter:
         # imported late (the cache does not need torch code), and never beside the warm-up's imports; the plan and
         # the first batch's reading overlap the kernel's load, which the first launch waits for
         deferred = self._may_head_start(recipe)  # (then the imports start here, after the head start's worker)
-        importing = deferred or (_warming is not None and not _imported.is_set())
         head = None
-        if self._wants_head_start(Path(src), recipe, importing):  # planned first, the worker started, then torch
+        if deferred and last_shard_in_page_cache(src):  # planned first, the worker started, then torch
             from ..checkpoint.headstart import HeadStart
             from ..checkpoint.plan import plan_conversion  # (no torch)
             from ..formats import Target
@@ -150,17 +151,6 @@ class TransformdConverter:
                 warming.join()
                 with contextlib.suppress(Exception):  # (never in place of the conversion's own error)
                     release_cached_memory(devices)  # the warm-up's buffers
-
-    def _wants_head_start(self, src: Path, recipe: Recipe, importing: bool) -> bool:
-        """Whether a head start converts the last shards of ``src`` on the CPU while torch is imported (see
-        ``head_start`` in :meth:`__init__`; ``importing``: this process has yet to import torch). Its worker reads
-        the source through this process's checked descriptors (the view's links), not by name."""
-        from ..formats import ScaleMode
-        from ..readahead import last_shard_in_page_cache
-
-        if self.head_start is False or ScaleMode(recipe.scale_mode) is not ScaleMode.EXACT:
-            return False
-        return self.head_start is True or (importing and last_shard_in_page_cache(src))
 
     def __repr__(self) -> str:
         return f"TransformdConverter(device={self.device!r}, head_start={self.head_start!r})"

@@ -213,8 +213,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     if args.overwrite:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
     # a conversion of its own (no daemon) gets a head start as --out does (the daemon's never: its torch is imported)
-    head_start = False if args.no_head_start else None
-    cache = Cache(args.cache_dir, converter=TransformdConverter(args.device, head_start=head_start))
+    cache = Cache(args.cache_dir, converter=TransformdConverter(args.device, head_start=not args.no_head_start))
     recipe = Recipe(target=target, scale_mode=args.scale_mode, select=args.select)
     # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
     # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
