@@ -58,6 +58,7 @@ from .lease import (
 )
 from .lock import FileLock, SharedExclusiveLock, process_identity
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest, jsonable
+from .seal import DigestsAlongside
 from .securefs import SourceTree, open_source
 from .status import ConversionStatus, StatusMixin, Waiter, _StatusWriter
 from .verify import VerifyMixin
@@ -524,8 +525,10 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
             # The converter reads the checked descriptors only (a view of the tree), never the source by name:
             # what it reads is what the key covers, and nothing outside the roots.
             view = tree.view()
+            early = DigestsAlongside(out)  # the shards finished meanwhile are hashed as the next are converted
             try:
-                result = converter(view, out, recipe, report)
+                with early:
+                    result = converter(view, out, recipe, report)
             except BaseException as exc:
                 raise tree.relocate(exc, view)  # the same exception, naming the source
             result = _relocate(jsonable(result), str(view), str(src))
@@ -547,7 +550,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
             for leftover in os.listdir(stage):  # e.g. a converter's own temporary files beside ``out``
                 if leftover != CHECKPOINT_DIR:
                     rmtree_force(stage / leftover)
-            files = self._seal(out, writer)
+            files = self._seal(out, writer, early)
             self._hook("sealed")
             timings["publish"] = time.monotonic() - t
             timings["total"] = time.monotonic() - t_start + timings.get("identify", 0.0)
@@ -619,8 +622,9 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
             self._enforce_budget(protect={key})
         return key
 
-    def _seal(self, out: Path, writer: _StatusWriter) -> tuple[FileRecord, ...]:
-        """Digest and make read-only every file of ``out`` (the converter fsynced each); fsync its directories."""
+    def _seal(self, out: Path, writer: _StatusWriter, early: DigestsAlongside) -> tuple[FileRecord, ...]:
+        """Digest (unless ``early`` did, of the file as it is) and make read-only every file of ``out`` (the converter
+        fsynced each); fsync its directories."""
         if not out.is_dir() or out.is_symlink():
             raise CacheError(f"the converter did not create the checkpoint directory {out}")
         files: list[tuple[str, str]] = []
@@ -642,8 +646,10 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
 
         def seal_one(item: tuple[str, str]) -> FileRecord:
             rel, p = item
+            st = os.stat(p)
+            digest = early.digest(p, st)
             os.chmod(p, 0o444)
-            return FileRecord(rel, os.stat(p).st_size, hash_own_file(p))
+            return FileRecord(rel, st.st_size, digest or hash_own_file(p))
 
         records = []
         with ThreadPoolExecutor(max_workers=min(4, len(files))) as pool:
