@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -192,9 +192,7 @@ class HeadStart:
         with self._changed:
             done = {f.shard.name for f in self.finished}
             back = [s for s in self.plan.shards if s.name in (self._skipped or set()) and s.name not in done]
-        for shard in back:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.out / shard.name)
+        self._remove(shard.name for shard in back)
         return back
 
     def cancel(self) -> None:
@@ -209,7 +207,11 @@ class HeadStart:
         with self._changed:
             done = {f.shard.name for f in self.finished}
             partial = [name for name in self._taken if name not in done and name not in self._left]
-        for name in partial:
+        self._remove(partial)
+
+    def _remove(self, names: Iterable[str]) -> None:
+        """Remove the worker's unfinished output files of these shards (those it never began are not there)."""
+        for name in names:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.out / name)
 
