@@ -7,8 +7,9 @@ fail and *survives* when they pass; a survivor is either a hole in the tests or 
 (its ``note`` says which). The modules covered are the ones that decide bytes and trust: ``formats.py`` and
 ``mx.py``, the host code of ``kernels.py``, ``reference.py``, ``cache/keys.py``, the source policy
 (``cache/securefs.py``, ``daemon/paths.py``) and the publish paths (``_durable.py``, ``checkpoint/convert.py``,
-``cache/store.py`` seal/publish, ``cache/manifest.py``, ``safetensors_io.py``'s writer) and converting while
-hashing (``cache/alongside.py``, and the daemon's first resolve in ``daemon/app.py`` and ``daemon/service.py``).
+``cache/store.py`` seal/publish, ``cache/seal.py``, ``cache/manifest.py``, ``safetensors_io.py``'s writer) and
+converting while hashing (``cache/alongside.py``, and the daemon's first resolve in ``daemon/app.py`` and
+``daemon/service.py``).
 
 The GPU-only mutants (the PTX kernel, the ptx/portable choice) can only be caught on CPU by
 tests/test_gpu_record.py's digest check. When the copy has no tests/gpu/last_run.json, the runner writes one that
@@ -165,6 +166,15 @@ MUTANTS: list[Mutant] = [
     m("checkpoint-staging-kept-on-error", "transformd/checkpoint/convert.py",
       "    except BaseException as exc:\n        shutil.rmtree(staging, ignore_errors=True)\n",
       "    except BaseException as exc:\n", ["tests/test_checkpoint.py"]),
+    # -- cache/seal.py: the output's digests taken while the conversion goes on -------------------------------------
+    m("seal-early-digest-of-a-changed-file", "transformd/cache/seal.py",
+      "return known[1] if known is not None and known[0] == _signature(st) else None",
+      "return known[1] if known is not None else None", ["tests/test_cache_seal.py"]),
+    m("seal-early-digest-of-an-incomplete-shard", "transformd/cache/seal.py",
+      "            if before.st_size != self._declared[inode]:\n                return  # (still being written)\n",
+      "", ["tests/test_cache_seal.py"]),
+    m("seal-early-digests-unused", "transformd/cache/store.py", "digest = early.digest(p, st)", "digest = None",
+      ["tests/test_cache_seal.py"]),
     # -- cache/alongside.py: converting while hashing ---------------------------------------------------------------
     m("alongside-published-under-provisional-name", "transformd/cache/store.py",
       "                key = hasher.key\n                timings[\"hash_alongside\"]",
