@@ -37,7 +37,9 @@ class Manifest:
     #: every file of ``checkpoint/``, with size and ``blake3:`` digest
     files: tuple[FileRecord, ...]
     created_at: float
-    #: seconds: ``identify`` (hashing the source), ``convert``, ``publish`` (digest + fsync + rename)
+    #: seconds: ``identify`` (hashing the source), ``hash_alongside`` (the same, beside the conversion), ``convert``,
+    #: ``publish`` (the output's digests not taken during the conversion (:mod:`.seal`), read-only modes, directory
+    #: fsyncs), ``total``
     timings: dict[str, float] = field(default_factory=dict)
     #: the converter's result summary (error report, tensor counts, ...), JSON
     result: Any = None
