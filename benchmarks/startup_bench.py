@@ -15,6 +15,13 @@ Ways of reading ahead: ``none``; ``preadv8`` / ``preadv64``: a thread reading 8 
 :func:`transformd.cache.keys.hash_file` in a thread (the hashing beside a conversion reads ahead this way).
 Ways of starting CUDA (``--cuda``, a GPU machine): ``cuda-after`` (torch starts it at the first allocation) and
 ``cuda-beside`` (:func:`transformd.cuda_start.start_cuda` before the import).
+
+``--cold-torch`` drops torch's and the NVIDIA wheels' files from the page cache too before each start-up, as on a
+node where nothing ran yet (the import then reads its shared libraries by page faults, 128 KiB at a time, beside
+the read-ahead); with it, the way ``libs+readahead`` first asks the kernel for those libraries whole
+(``POSIX_FADV_WILLNEED`` on ``torch/lib/*.so*`` and ``nvidia/*/lib/*.so*``, which reads them in large requests in
+the background), then starts ``readahead``. Not in the package: a diagnostic of whether that would shorten a cold
+start-up.
 """
 
 from __future__ import annotations
@@ -31,6 +38,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 READ_WAYS = ["none", "preadv8", "preadv64", "readahead", "fork", "hash"]
 CUDA_WAYS = ["cuda-after", "cuda-beside"]
+LIB_WAYS = ["libs+readahead"]
+
+
+def torch_dirs() -> list[Path]:
+    """The package directory of the torch this interpreter would import (found without importing it) and the NVIDIA
+    wheels' beside it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return []
+    torch_dir = Path(spec.origin).parent
+    return [d for d in (torch_dir, torch_dir.parent / "nvidia") if d.is_dir()]
+
+
+def torch_libraries() -> list[Path]:
+    """The shared libraries of :func:`torch_dirs` (``lib/*.so*``)."""
+    return [f for d in torch_dirs() for f in d.rglob("*.so*") if f.parent.name == "lib" and f.is_file()]
 
 
 def child(way: str, path: str) -> dict[str, float]:
@@ -51,8 +76,14 @@ def child(way: str, path: str) -> dict[str, float]:
                 done[0] = off
 
         wait.append(_started(read))
-    elif way == "readahead":
+    elif way in ("readahead", "libs+readahead"):
         from transformd.readahead import ReadAhead
+
+        if way == "libs+readahead":
+            for lib in torch_libraries():
+                lib_fd = os.open(lib, os.O_RDONLY)
+                os.posix_fadvise(lib_fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                os.close(lib_fd)
 
         ahead = ReadAhead([path], budget=size)
         wait.append(ahead)
@@ -108,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file", default="/tmp/transformd-startup.bin", help="the file read ahead (written if missing)")
     p.add_argument("--gib", type=float, default=8, help="its size when it is written")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--ways", default=",".join(READ_WAYS), help=f"comma-separated, of {READ_WAYS + CUDA_WAYS}")
+    p.add_argument("--ways", default=",".join(READ_WAYS),
+                   help=f"comma-separated, of {READ_WAYS + CUDA_WAYS + LIB_WAYS}")
     p.add_argument("--cuda", action="store_true", help="also the ways of starting CUDA")
+    p.add_argument("--cold-torch", action="store_true",
+                   help="also drop torch's and the NVIDIA wheels' files before each start-up; adds libs+readahead")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -123,12 +157,15 @@ def main(argv: list[str] | None = None) -> int:
 
     byte_compile(REPO)
 
-    ways = args.ways.split(",") + (CUDA_WAYS if args.cuda else [])
+    ways = args.ways.split(",") + (CUDA_WAYS if args.cuda else []) + (LIB_WAYS if args.cold_torch else [])
+    cold = torch_dirs() if args.cold_torch else []
     rows: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     for r in range(args.rounds):
         for way in ways:
             drop_from_page_cache(Path(args.file))
+            for d in cold:
+                drop_from_page_cache(d)
             out = subprocess.run([sys.executable, __file__, "--file", args.file, "--child", way], capture_output=True,
                                  text=True, env=env, check=False)
             if out.returncode:
@@ -138,15 +175,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# round {r + 1} {way}: {rows[way][-1]}", file=sys.stderr, flush=True)
     gib = os.path.getsize(args.file) / 2**30
     print(f"start-ups of fresh processes (import torch + transformd, first CUDA allocation); {gib:.1f} GiB file, "
-          f"dropped from the page cache before each; {args.rounds} rounds alternated; per round: a / b")
-    print(f"{'way':<12} {'start-up s':>13} {'of it CUDA s':>13} {'GiB read by then':>17} {'reader done s':>14} "
+          f"dropped from the page cache before each{' with torch and the NVIDIA wheels' if cold else ''}; "
+          f"{args.rounds} rounds alternated; per round: a / b")
+    print(f"{'way':<15} {'start-up s':>13} {'of it CUDA s':>13} {'GiB read by then':>17} {'reader done s':>14} "
           f"{'reading all after s':>20}")
 
     def cells(runs: list[dict[str, float]], key: str) -> str:
         return " / ".join(f"{run[key]:.2f}" for run in runs)
 
     for way, runs in rows.items():
-        print(f"{way:<12} {cells(runs, 'startup'):>13} {cells(runs, 'cuda'):>13} {cells(runs, 'gib_read'):>17} "
+        print(f"{way:<15} {cells(runs, 'startup'):>13} {cells(runs, 'cuda'):>13} {cells(runs, 'gib_read'):>17} "
               f"{cells(runs, 'reader_done'):>14} {cells(runs, 'read_all_after'):>20}")
     return 0
 
