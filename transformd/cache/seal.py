@@ -11,8 +11,8 @@ A digest taken early stands only for the file as it was then: it is kept with th
 modification and change times, taken before and after the hashing, and :meth:`DigestsAlongside.digest` gives it to
 the seal only when the file still has the same (a converter that rewrote a shard, or wrote another file under its
 name, has it hashed again at the seal; the change time moves with any write and cannot be set back, the inode number
-alone may be reused at once). Anything that goes wrong here
-(a file removed meanwhile, an unreadable header) only leaves that file to the seal.
+alone may be reused at once). Anything that goes wrong here (a file removed meanwhile, an unreadable header) only
+leaves that file to the seal.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ import struct
 import threading
 from pathlib import Path
 
+from ..safetensors_header import MAX_HEADER_BYTES
 from .keys import hash_own_file
 
 __all__ = ["POLL_S", "DigestsAlongside"]
 
 #: How often the output directory is looked at (seconds); a shard takes 0.1-0.5 s to write on the H200 machine.
 POLL_S = 0.1
-#: Largest header read to learn where a shard ends (the safetensors_header limit).
-_MAX_HEADER = 100 * 1024 * 1024
 
 _Signature = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
 
@@ -48,7 +47,7 @@ def declared_size(path: str) -> int | None:
         if len(head) < 8:
             return None
         (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER:
+        if n > MAX_HEADER_BYTES:
             return None
         raw = f.read(n)
     if len(raw) < n:
@@ -114,7 +113,7 @@ class DigestsAlongside:
                 return  # (still being written)
             digest = hash_own_file(entry.path)
             after = os.stat(entry.path, follow_symlinks=False)
-        except Exception:  # noqa: BLE001 - whatever it is (a file removed meanwhile, a header not ours): the seal hashes it
+        except Exception:  # noqa: BLE001 - a file removed meanwhile, a header not ours...: the seal hashes it
             return
         if _signature(before) == _signature(after):
             self._digests[entry.name] = (_signature(after), digest)
