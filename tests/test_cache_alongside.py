@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from transformd.cache import Cache, Recipe, TransformdConverter, keys
+from transformd.cache import Cache, Recipe, TransformdConverter, alongside, keys
 from transformd.cache.errors import ConversionFailedError, SourceChangedError
 from transformd.checkpoint import convert_checkpoint
 from transformd.safetensors_io import CheckpointError
@@ -215,6 +215,50 @@ def test_a_waiter_hears_of_the_failure(tmp_path):
     assert sorted(type(e).__name__ for e in errors) == ["ConversionFailedError", "RuntimeError"], errors
     failed = next(e for e in errors if isinstance(e, ConversionFailedError))
     assert "failed in another process: RuntimeError: the converter broke" in str(failed)
+    assert converter.calls == 1
+
+
+def test_a_waiter_by_the_key_hears_of_the_failure(tmp_path):
+    """A request that comes once the hashing beside a conversion is over finds the source's key (the stat cache
+    knows it) and waits on that key, not on the provisional name; when the conversion fails, it is told too (the
+    failure is recorded under both), instead of converting a second time."""
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
+    gate = threading.Event()
+
+    class Failing(_Counting):
+        def __call__(self, src, out, recipe, progress):
+            self.calls += 1
+            if self.calls == 1:
+                progress({"bytes_done": 0, "bytes_total": 1})  # (the start-up is over: the hashing reads)
+                assert gate.wait(30)
+            raise RuntimeError("the converter broke")
+
+    converter = Failing()
+    cache = _cache(tmp_path / "cache", converter)
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            cache.get_or_convert(src, Recipe(target="ocp"), poll_interval=0.01)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    first = threading.Thread(target=ask)
+    first.start()
+    pause = threading.Event()  # (never set: its wait is a sleep)
+    for _ in range(3000):  # until the hashing has told the stat cache the key
+        if not isinstance(cache.identity_unless_alongside(src), alongside.PendingIdentity):
+            break
+        pause.wait(0.01)
+    else:
+        raise AssertionError("the hashing beside the conversion did not finish")
+    second = threading.Thread(target=ask)
+    second.start()
+    pause.wait(0.3)
+    gate.set()
+    first.join(30)
+    second.join(30)
+    assert sorted(type(e).__name__ for e in errors) == ["ConversionFailedError", "RuntimeError"], errors
     assert converter.calls == 1
 
 
