@@ -1,6 +1,7 @@
 """The mutation pass (tests/mutation/run_mutants.py) stays runnable: every mutant's text is still in the source it
-mutates, and the tests it runs exist. A refactor that moves or rewrites that text must update the mutant (the pass
-stops at the first one it cannot plant: four had gone stale before this check)."""
+mutates, planting it leaves a source that compiles, and the tests it runs exist. A refactor that moves or rewrites
+that text must update the mutant (the pass stops at the first one it cannot plant: four had gone stale before this
+check, and one left an indentation error that counted as killed)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def test_each_mutant_can_be_planted(mutant):
     files = sorted((REPO / "transformd").rglob("*.py")) if mutant.file == "*" else [REPO / mutant.file]
     assert sum(f.read_text().count(mutant.old) for f in files) >= 1, (
         f"{mutant.id}: {mutant.old!r} is not in {mutant.file} any more; update the mutant")
+    for f in files:  # planted, the source still compiles: a mutant must fail tests, not the import
+        text = f.read_text()
+        if mutant.old in text:
+            compile(text.replace(mutant.old, mutant.new, -1 if mutant.count == -1 else 1), str(f), "exec")
     for arg in mutant.tests:
         if arg.startswith("tests/"):
             assert (REPO / arg.split("::")[0]).exists(), f"{mutant.id}: {arg} does not exist"

@@ -565,13 +565,3 @@ def provisional_key_of(real: str, files: list[list[Any]], recipe: Recipe) -> str
     doc = {"provisional": KEY_SCHEMA, "source": real, "recipe": recipe.as_dict(), "files": files}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return blake3.blake3(text.encode()).hexdigest()[:KEY_HEX_LEN]
-
-
-def changed_files(identity: SourceIdentity) -> list[str]:
-    """Names of source files that changed, appeared or disappeared since ``identity`` was computed."""
-    before = dict(zip((rec.name for rec in identity.files), identity.stats))  # noqa: B905
-    try:
-        now = {rel: _sig(st) for rel, _, st in iter_source_files(identity.path)}
-    except SourceError:
-        return sorted(before)
-    return sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
