@@ -181,14 +181,19 @@ def test_two_requests_for_one_unseen_source_convert_once(tmp_path):
     assert results[0].path == results[1].path
 
 
-def test_a_waiter_hears_of_the_failure(tmp_path):
-    """The second request waits on the first's conversion of the same source; when that fails, it is told."""
+@pytest.mark.parametrize("by", ["provisional name", "key"])
+def test_a_waiter_hears_of_the_failure(tmp_path, by):
+    """The second request waits on the first's conversion of the same source; when that fails, it is told (and
+    converts nothing). ``provisional name``: it came while the source was being hashed; ``key``: once the hashing
+    was over, so it found the key in the stat cache and waited on that (the failure is recorded under both)."""
     src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
     gate = threading.Event()
 
     class Failing(_Counting):
-        def __call__(self, *args, **kwargs):
+        def __call__(self, src, out, recipe, progress):
             self.calls += 1
+            if by == "key":
+                progress({"bytes_done": 0, "bytes_total": 1})  # (the start-up is over: the hashing reads)
             assert gate.wait(30)
             raise RuntimeError("the converter broke")
 
@@ -202,56 +207,20 @@ def test_a_waiter_hears_of_the_failure(tmp_path):
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
-    first = threading.Thread(target=ask)
-    first.start()
-    while converter.calls == 0:
-        threading.Event().wait(0.01)
-    second = threading.Thread(target=ask)
-    second.start()
-    threading.Event().wait(0.3)
-    gate.set()
-    first.join(30)
-    second.join(30)
-    assert sorted(type(e).__name__ for e in errors) == ["ConversionFailedError", "RuntimeError"], errors
-    failed = next(e for e in errors if isinstance(e, ConversionFailedError))
-    assert "failed in another process: RuntimeError: the converter broke" in str(failed)
-    assert converter.calls == 1
-
-
-def test_a_waiter_by_the_key_hears_of_the_failure(tmp_path):
-    """A request that comes once the hashing beside a conversion is over finds the source's key (the stat cache
-    knows it) and waits on that key, not on the provisional name; when the conversion fails, it is told too (the
-    failure is recorded under both), instead of converting a second time."""
-    src = _old(write_sample_checkpoint(tmp_path / "src", layers=1, experts=2))
-    gate = threading.Event()
-
-    class Failing(_Counting):
-        def __call__(self, src, out, recipe, progress):
-            self.calls += 1
-            if self.calls == 1:
-                progress({"bytes_done": 0, "bytes_total": 1})  # (the start-up is over: the hashing reads)
-                assert gate.wait(30)
-            raise RuntimeError("the converter broke")
-
-    converter = Failing()
-    cache = _cache(tmp_path / "cache", converter)
-    errors: list[BaseException] = []
-
-    def ask() -> None:
-        try:
-            cache.get_or_convert(src, Recipe(target="ocp"), poll_interval=0.01)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+    def waited_on() -> bool:
+        if by == "key":  # the hashing has told the stat cache the key
+            return not isinstance(cache.identity_unless_alongside(src), alongside.PendingIdentity)
+        return converter.calls > 0
 
     first = threading.Thread(target=ask)
     first.start()
     pause = threading.Event()  # (never set: its wait is a sleep)
-    for _ in range(3000):  # until the hashing has told the stat cache the key
-        if not isinstance(cache.identity_unless_alongside(src), alongside.PendingIdentity):
+    for _ in range(3000):
+        if waited_on():
             break
         pause.wait(0.01)
     else:
-        raise AssertionError("the hashing beside the conversion did not finish")
+        raise AssertionError(f"the first request's conversion never got to where a second waits on its {by}")
     second = threading.Thread(target=ask)
     second.start()
     pause.wait(0.3)
@@ -259,6 +228,8 @@ def test_a_waiter_by_the_key_hears_of_the_failure(tmp_path):
     first.join(30)
     second.join(30)
     assert sorted(type(e).__name__ for e in errors) == ["ConversionFailedError", "RuntimeError"], errors
+    failed = next(e for e in errors if isinstance(e, ConversionFailedError))
+    assert "failed in another process: RuntimeError: the converter broke" in str(failed)
     assert converter.calls == 1
 
 
