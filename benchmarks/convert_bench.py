@@ -497,8 +497,9 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
                 how = drop_caches(src, only=args.cold_source_only)
             elif "page cache" in name:
                 read_into_page_cache(src)
+            print(f"# {name} ...", file=sys.stderr, flush=True)  # (what the step prints comes under it)
             times[name].append(step())
-            print(f"# {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
+            print(f"#   = {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
             if cleanup is not None:
                 remove(cleanup)
     gib = sample["bytes"] / GiB
