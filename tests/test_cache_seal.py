@@ -5,8 +5,10 @@ a shard after it was hashed."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -48,7 +50,7 @@ def hashed(monkeypatch):
 
         return hash_
 
-    monkeypatch.setattr(seal_mod, "hash_own_file", recording("alongside"))
+    monkeypatch.setattr(seal_mod, "hash_file", recording("alongside"))
     monkeypatch.setattr(store_mod, "hash_own_file", recording("seal"))
     monkeypatch.setattr(seal_mod, "POLL_S", 0.01)
     return calls
@@ -90,6 +92,26 @@ def test_a_shard_is_hashed_once_complete_and_its_digest_stands_only_for_it_uncha
     assert early.digest(str(p), os.stat(p)) is None
 
 
+def test_the_thread_reads_the_shards_it_never_maps_them(tmp_path, monkeypatch):
+    """A converter still runs while the thread hashes: a mapped file that it shortened would kill the process with
+    SIGBUS (the seal, after the converter returned, maps them)."""
+    mapped: list[object] = []
+    real = mmap.mmap
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: mapped.append(a) or real(*a, **k))
+    out = tmp_path / "out"
+    out.mkdir()
+    p = out / "model.safetensors"
+    p.write_bytes(_shard(3))
+    with DigestsAlongside(out, poll_s=0.01) as early:
+        _wait_for(lambda: early.digest(str(p), os.stat(p)) is not None, "the shard's digest")
+    assert mapped == []
+    assert early.digest(str(p), os.stat(p)) == hash_own_file(p)
+
+
+def _seal_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "transformd-seal"]
+
+
 class _ShardsConverter:
     """Writes shards one after the other, waiting after the first until it was hashed alongside; ``then`` runs
     after that (to change the first shard behind the early digest's back)."""
@@ -121,6 +143,7 @@ def _actual_digests(entry) -> dict[str, str]:
 def test_the_publish_hashes_only_what_was_not_hashed_alongside(tmp_path, hashed):
     cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=_ShardsConverter(hashed))
     entry = cache.get_or_convert(write_source(tmp_path / "m"), Recipe(target="ocp", scale_mode="exact"))
+    assert _seal_threads() == []  # (stopped with the conversion: a daemon converts many)
     assert _manifest_digests(entry) == _actual_digests(entry)
     assert "model-00001-of-00002.safetensors" not in hashed["seal"]
     assert {"config.json"} <= set(hashed["seal"])  # (the last shard: by whichever came first)
@@ -149,3 +172,14 @@ def test_a_shard_changed_after_it_was_hashed_alongside_is_hashed_again(tmp_path,
     assert "model-00001-of-00002.safetensors" in hashed["seal"]
     assert _manifest_digests(entry) == _actual_digests(entry)
     assert [r.ok for r in cache.verify(entry.key)] == [True]
+
+
+def test_the_thread_stops_with_a_failed_conversion(tmp_path, hashed):
+    def then(p: Path) -> None:
+        raise RuntimeError("the converter broke")
+
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=_ShardsConverter(hashed, then))
+    with pytest.raises(Exception, match="the converter broke"):
+        cache.get_or_convert(write_source(tmp_path / "m"), Recipe(target="ocp", scale_mode="exact"))
+    assert _seal_threads() == []
+    assert os.listdir(cache.staging_dir) == []

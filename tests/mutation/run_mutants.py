@@ -178,6 +178,10 @@ MUTANTS: list[Mutant] = [
       "", ["tests/test_cache_seal.py"]),
     m("seal-early-digests-unused", "transformd/cache/store.py", "digest = early.digest(p, st)", "digest = None",
       ["tests/test_cache_seal.py"]),
+    m("seal-thread-not-stopped", "transformd/cache/seal.py",
+      "    def __exit__(self, *exc: object) -> None:\n        self.stop()",
+      "    def __exit__(self, *exc: object) -> None:\n        pass",
+      ["tests/test_cache_seal.py"]),
     # -- cache/alongside.py: converting while hashing ---------------------------------------------------------------
     m("alongside-published-under-provisional-name", "transformd/cache/store.py",
       "                key = hasher.key\n                timings[\"hash_alongside\"]",

@@ -26,6 +26,11 @@ class Converter(Protocol):
     from the conversion's first progress update on, at the pace of its ``bytes_done`` (:mod:`.alongside`): a
     converter that reports none gets its key only once it has returned.
 
+    Each ``*.safetensors`` file is written front to back and, once it has all the bytes its header declares, not
+    written again: a converter that must redo one removes it and creates a new file under the name. The cache hashes
+    such a file while the conversion goes on (:mod:`.seal`) and keeps that digest only for the same file unchanged
+    (inode, size, times), so a rewrite in place is caught where the file system's clock moves between the writes.
+
     A converter may also have a ``prepare(recipe)`` method: the cache calls it before it starts hashing a source it
     converts while hashing (:mod:`.alongside`), so that a slow start-up (imports, a GPU context, loading the
     recipe's kernel) overlaps the first reads.

@@ -8,11 +8,14 @@ end its header declares (the shards are written front to back: header first, the
 next shards are being converted; the publish then hashes only the last of them and the small files.
 
 A digest taken early stands only for the file as it was then: it is kept with the file's device, inode, size,
-modification and change times, taken before and after the hashing, and :meth:`DigestsAlongside.digest` gives it to
-the seal only when the file still has the same (a converter that rewrote a shard, or wrote another file under its
-name, has it hashed again at the seal; the change time moves with any write and cannot be set back, the inode number
-alone may be reused at once). Anything that goes wrong here (a file removed meanwhile, an unreadable header) only
-leaves that file to the seal.
+modification and change times from before the hashing, and :meth:`DigestsAlongside.digest` gives it to the seal only
+when the file still has the same (a converter that rewrote a shard, or wrote another file under its name, has it
+hashed again at the seal; the change time moves with any write and cannot be set back, the inode number alone may be
+reused at once). The :class:`~.converter.Converter` contract says a finished shard is not written again; a rewrite
+in place within one tick of a coarse file-system clock is what this cannot see. The files are read, not
+memory-mapped as at the seal (:func:`.keys.hash_own_file`): a converter still runs, and one that shortened a mapped
+file would kill the process with SIGBUS; here that ends in an error, and anything that goes wrong (a file removed
+meanwhile, an unreadable header) only leaves that file to the seal.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import threading
 from pathlib import Path
 
 from ..safetensors_header import MAX_HEADER_BYTES
-from .keys import hash_own_file
+from .keys import hash_file
 
 __all__ = ["POLL_S", "DigestsAlongside"]
 
@@ -111,9 +114,7 @@ class DigestsAlongside:
                 self._declared[inode] = declared_size(entry.path)
             if before.st_size != self._declared[inode]:
                 return  # (still being written)
-            digest = hash_own_file(entry.path)
-            after = os.stat(entry.path, follow_symlinks=False)
-        except Exception:  # noqa: BLE001 - a file removed meanwhile, a header not ours...: the seal hashes it
+            digest = hash_file(entry.path)  # (read: see the module)
+        except Exception:  # noqa: BLE001 - a file removed or shortened meanwhile, a header not ours: for the seal
             return
-        if _signature(before) == _signature(after):
-            self._digests[entry.name] = (_signature(after), digest)
+        self._digests[entry.name] = (_signature(before), digest)  # (a write since moved the change time)
