@@ -23,6 +23,8 @@ from transformd.checkpoint import convert_checkpoint
 from transformd.safetensors_io import CheckpointError
 from transformd.sample import write_sample_checkpoint
 
+from .support.waiting import wait_for
+
 
 def _tree(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
@@ -214,16 +216,10 @@ def test_a_waiter_hears_of_the_failure(tmp_path, by):
 
     first = threading.Thread(target=ask)
     first.start()
-    pause = threading.Event()  # (never set: its wait is a sleep)
-    for _ in range(3000):
-        if waited_on():
-            break
-        pause.wait(0.01)
-    else:
-        raise AssertionError(f"the first request's conversion never got to where a second waits on its {by}")
+    wait_for(waited_on, timeout=30, what=f"the first request's conversion to get to where a second waits on its {by}")
     second = threading.Thread(target=ask)
     second.start()
-    pause.wait(0.3)
+    threading.Event().wait(0.3)
     gate.set()
     first.join(30)
     second.join(30)

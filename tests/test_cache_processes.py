@@ -15,6 +15,7 @@ import pytest
 from transformd.cache import Cache, Recipe
 
 from .support.fakes import CopyConverter, worker_command, write_source
+from .support.waiting import wait_for
 
 PUBLISH_PHASES = ["reserved", "converted", "sealed", "manifest-written", "before-rename", "published"]
 
@@ -22,14 +23,6 @@ PUBLISH_PHASES = ["reserved", "converted", "sealed", "manifest-written", "before
 def _worker(root: Path, src: Path, *args: str) -> subprocess.Popen:
     argv, env = worker_command("--root", str(root), "--src", str(src), *args)
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def _kill(p: subprocess.Popen) -> None:
@@ -82,7 +75,7 @@ def test_concurrent_processes_convert_once(tmp_path, alongside):
         )
         for r in ready
     ]
-    _wait_for(lambda: all(r.exists() for r in ready), timeout=60, what="all workers to be ready")
+    wait_for(lambda: all(r.exists() for r in ready), timeout=60, what="all workers to be ready")
     go.touch()  # all six ask for the key within a few milliseconds of each other
     outs = []
     for p in procs:
@@ -110,7 +103,7 @@ def test_sigkill_at_random_points_of_a_conversion(tmp_path, alongside):
     rng = random.Random(1234)
     for attempt in range(4):
         p = _worker(root, src, "--delay", "0.4", "--steps", "8", *(["--alongside"] if alongside else []))
-        _wait_for(
+        wait_for(
             lambda: (
                 any(n.endswith(".json") for n in os.listdir(root / "staging")) if (root / "staging").exists() else False
             ),
@@ -139,7 +132,7 @@ def test_sigkill_during_publish(tmp_path, phase):
     root = tmp_path / "cache"
     marker = tmp_path / "marker"
     p = _worker(root, src, "--pause-at", phase, "--marker", str(marker))
-    _wait_for(marker.exists, what=f"phase {phase}")
+    wait_for(marker.exists, what=f"phase {phase}")
     _kill(p)
     cache = Cache(root, budget_bytes="1G", cleanup=False)
     key = cache.key_for(src)
@@ -168,7 +161,7 @@ def test_waiter_takes_over_from_a_dead_converter(tmp_path):
     marker = tmp_path / "marker"
     log = tmp_path / "log"
     holder = _worker(root, src, "--log", str(log), "--pause-at", "converted", "--marker", str(marker))
-    _wait_for(marker.exists, what="the first converter")
+    wait_for(marker.exists, what="the first converter")
     waiter = _worker(root, src, "--log", str(log))
     cache = Cache(root, budget_bytes="1G", cleanup=False)
     key = cache.key_for(src)
@@ -192,7 +185,7 @@ def test_dead_process_staging_is_never_served(tmp_path):
     root = tmp_path / "cache"
     marker = tmp_path / "marker"
     p = _worker(root, src, "--pause-at", "before-rename", "--marker", str(marker))
-    _wait_for(marker.exists, what="before-rename")
+    wait_for(marker.exists, what="before-rename")
     _kill(p)
     staged = [n for n in os.listdir(root / "staging") if not n.endswith(".json")]
     assert len(staged) == 1 and (root / "staging" / staged[0] / "manifest.json").exists()

@@ -21,6 +21,7 @@ from transformd.cache.keys import hash_own_file
 from transformd.cache.seal import DigestsAlongside, declared_size
 
 from .support.fakes import write_source
+from .support.waiting import wait_for
 
 
 def _shard(fill: int, n: int = 4096) -> bytes:
@@ -28,14 +29,6 @@ def _shard(fill: int, n: int = 4096) -> bytes:
     header = json.dumps({"t": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
     header += b" " * (-len(header) % 8)
     return struct.pack("<Q", len(header)) + header + bytes([fill]) * n
-
-
-def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -77,7 +70,7 @@ def test_a_shard_is_hashed_once_complete_and_its_digest_stands_only_for_it_uncha
             time.sleep(0.2)
             assert early.digest(str(p), os.stat(p)) is None
             f.write(data[-100:])
-        _wait_for(lambda: early.digest(str(p), os.stat(p)) is not None, "the complete shard's digest")
+        wait_for(lambda: early.digest(str(p), os.stat(p)) is not None, what="the complete shard's digest")
     assert early.digest(str(p), os.stat(p)) == hash_own_file(p)
     # the same size, other bytes, a later modification time: not the digest of that file any more
     p.write_bytes(_shard(2))
@@ -103,7 +96,7 @@ def test_the_thread_reads_the_shards_it_never_maps_them(tmp_path, monkeypatch):
     p = out / "model.safetensors"
     p.write_bytes(_shard(3))
     with DigestsAlongside(out, poll_s=0.01) as early:
-        _wait_for(lambda: early.digest(str(p), os.stat(p)) is not None, "the shard's digest")
+        wait_for(lambda: early.digest(str(p), os.stat(p)) is not None, what="the shard's digest")
     assert mapped == []
     assert early.digest(str(p), os.stat(p)) == hash_own_file(p)
 
@@ -122,7 +115,8 @@ class _ShardsConverter:
     def __call__(self, src: Path, out: Path, recipe: Recipe, progress) -> dict:
         out.mkdir()
         (out / "model-00001-of-00002.safetensors").write_bytes(_shard(1))
-        _wait_for(lambda: "model-00001-of-00002.safetensors" in self.hashed["alongside"], "the first shard's hashing")
+        wait_for(lambda: "model-00001-of-00002.safetensors" in self.hashed["alongside"],
+                 what="the first shard's hashing")
         if self.then is not None:
             self.then(out / "model-00001-of-00002.safetensors")
         (out / "model-00002-of-00002.safetensors").write_bytes(_shard(2))
