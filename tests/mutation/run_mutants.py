@@ -239,19 +239,26 @@ def _simulated_gpu_record(copy: Path) -> None:
     }, indent=1))
 
 
-def _apply(copy: Path, mutant: Mutant) -> list[Path]:
-    files = sorted((copy / "transformd").rglob("*.py")) if mutant.file == "*" else [copy / mutant.file]
-    changed = []
+def planted(root: Path, mutant: Mutant) -> dict[Path, str]:
+    """The files of the checkout ``root`` that ``mutant`` changes, with their text once it is planted."""
+    files = sorted((root / "transformd").rglob("*.py")) if mutant.file == "*" else [root / mutant.file]
+    changed = {}
     for f in files:
         text = f.read_text()
         if mutant.old not in text:
             continue
-        new = text.replace(mutant.old, mutant.new) if mutant.count == -1 else text.replace(mutant.old, mutant.new, 1)
-        f.write_text(new)
-        changed.append(f)
+        changed[f] = (text.replace(mutant.old, mutant.new) if mutant.count == -1
+                      else text.replace(mutant.old, mutant.new, 1))
     if not changed:
         raise SystemExit(f"mutant {mutant.id}: {mutant.old!r} not found in {mutant.file}; update the mutant")
     return changed
+
+
+def _apply(copy: Path, mutant: Mutant) -> list[Path]:
+    changed = planted(copy, mutant)
+    for f, text in changed.items():
+        f.write_text(text)
+    return list(changed)
 
 
 def _pytest(copy: Path, args: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
