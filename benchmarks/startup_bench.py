@@ -10,18 +10,17 @@ afterwards (what was not read ahead comes from the disk then).
 
 Ways of reading ahead: ``none``; ``preadv8`` / ``preadv64``: a thread reading 8 / 64 MiB slices into a buffer
 (``preadv8`` is the read-ahead before 2026-12-03: each slice waits for the GIL the import holds);
-``readahead``: :class:`transformd.readahead.ReadAhead` as it is (``sendfile`` into ``/dev/null``, 64 MiB slices);
-``fork``: a child process reading (nothing shared with the import: the disk's pace); ``hash``:
+``readahead``: :class:`transformd.readahead.ReadAhead` reading the file alone (``sendfile`` into ``/dev/null``,
+64 MiB slices); ``fork``: a child process reading (nothing shared with the import: the disk's pace); ``hash``:
 :func:`transformd.cache.keys.hash_file` in a thread (the hashing beside a conversion reads ahead this way).
 Ways of starting CUDA (``--cuda``, a GPU machine): ``cuda-after`` (torch starts it at the first allocation) and
 ``cuda-beside`` (:func:`transformd.cuda_start.start_cuda` before the import).
 
 ``--cold-torch`` drops torch's and the NVIDIA wheels' files from the page cache too before each start-up, as on a
 node where nothing ran yet (the import then reads its shared libraries by page faults, 128 KiB at a time, beside
-the read-ahead); with it, the way ``libs+readahead`` first asks the kernel for those libraries whole
-(``POSIX_FADV_WILLNEED`` on ``torch/lib/*.so*`` and ``nvidia/*/lib/*.so*``, which reads them in large requests in
-the background), then starts ``readahead``. Not in the package: a diagnostic of whether that would shorten a cold
-start-up.
+the read-ahead); with it, the way ``libs+readahead`` is the read-ahead that ``transformd convert`` starts: it first
+asks the kernel for those libraries whole (``POSIX_FADV_WILLNEED`` on ``torch/lib/*.so*`` and ``nvidia/*/lib/*.so*``,
+which reads them in large requests in the background), then reads the file; ``readahead`` reads only the file.
 """
 
 from __future__ import annotations
@@ -53,11 +52,6 @@ def torch_dirs() -> list[Path]:
     return [d for d in (torch_dir, torch_dir.parent / "nvidia") if d.is_dir()]
 
 
-def torch_libraries() -> list[Path]:
-    """The shared libraries of :func:`torch_dirs` (``lib/*.so*``)."""
-    return [f for d in torch_dirs() for f in d.rglob("*.so*") if f.parent.name == "lib" and f.is_file()]
-
-
 def child(way: str, path: str) -> dict[str, float]:
     """One start-up with ``way``: the numbers of one row."""
     fd = os.open(path, os.O_RDONLY)
@@ -77,15 +71,9 @@ def child(way: str, path: str) -> dict[str, float]:
 
         wait.append(_started(read))
     elif way in ("readahead", "libs+readahead"):
-        from transformd.readahead import ReadAhead
+        from transformd.readahead import ReadAhead, torch_libraries
 
-        if way == "libs+readahead":
-            for lib in torch_libraries():
-                lib_fd = os.open(lib, os.O_RDONLY)
-                os.posix_fadvise(lib_fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                os.close(lib_fd)
-
-        ahead = ReadAhead([path], budget=size)
+        ahead = ReadAhead([path], budget=size, libraries=torch_libraries() if way == "libs+readahead" else ())
         wait.append(ahead)
         done = None
     elif way == "fork":
