@@ -136,9 +136,8 @@ def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None
                     ) -> Iterator[Callable[[Any], None]]:
     """While torch is imported: ask for torch's libraries, read ``src``'s first shards into the page cache
     (:mod:`transformd.readahead`; not with ``read_ahead`` false: the hashing of a source new to the cache does that
-    itself) and start CUDA on the GPUs
-    the conversion will use (:mod:`transformd.cuda_start`). ``progress`` is given back wrapped so that the
-    conversion's first update stops the reading."""
+    itself) and start CUDA on the GPUs the conversion will use (:mod:`transformd.cuda_start`). ``progress`` is given
+    back wrapped so that the conversion's first update stops the reading."""
     from ..cuda_start import start_cuda
     from ..readahead import ReadAhead, shard_files, torch_libraries
 
