@@ -20,7 +20,8 @@ Ways of starting CUDA (``--cuda``, a GPU machine): ``cuda-after`` (torch starts 
 node where nothing ran yet (the import then reads its shared libraries by page faults, 128 KiB at a time, beside
 the read-ahead); with it, the way ``libs+readahead`` is the read-ahead that ``transformd convert`` starts: it first
 asks the kernel for those libraries whole (``POSIX_FADV_WILLNEED`` on ``torch/lib/*.so*`` and ``nvidia/*/lib/*.so*``,
-which reads them in large requests in the background), then reads the file; ``readahead`` reads only the file.
+which reads them in large requests in the background), then reads the file; ``torchlib+readahead`` the same with
+torch's own libraries only; ``readahead`` reads only the file.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 READ_WAYS = ["none", "preadv8", "preadv64", "readahead", "fork", "hash"]
 CUDA_WAYS = ["cuda-after", "cuda-beside"]
-LIB_WAYS = ["libs+readahead"]
+LIB_WAYS = ["libs+readahead", "torchlib+readahead"]
 
 
 def torch_dirs() -> list[Path]:
@@ -70,10 +71,13 @@ def child(way: str, path: str) -> dict[str, float]:
                 done[0] = off
 
         wait.append(_started(read))
-    elif way in ("readahead", "libs+readahead"):
+    elif way in ("readahead", *LIB_WAYS):
         from transformd.readahead import ReadAhead, torch_libraries
 
-        ahead = ReadAhead([path], budget=size, libraries=torch_libraries() if way == "libs+readahead" else ())
+        libraries = torch_libraries() if way in LIB_WAYS else []
+        if way == "torchlib+readahead":
+            libraries = [lib for lib in libraries if Path(lib).parent.parent.name == "torch"]
+        ahead = ReadAhead([path], budget=size, libraries=libraries)
         wait.append(ahead)
         done = None
     elif way == "fork":
@@ -165,14 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"start-ups of fresh processes (import torch + transformd, first CUDA allocation); {gib:.1f} GiB file, "
           f"dropped from the page cache before each{' with torch and the NVIDIA wheels' if cold else ''}; "
           f"{args.rounds} rounds alternated; per round: a / b")
-    print(f"{'way':<15} {'start-up s':>13} {'of it CUDA s':>13} {'GiB read by then':>17} {'reader done s':>14} "
+    print(f"{'way':<19} {'start-up s':>13} {'of it CUDA s':>13} {'GiB read by then':>17} {'reader done s':>14} "
           f"{'reading all after s':>20}")
 
     def cells(runs: list[dict[str, float]], key: str) -> str:
         return " / ".join(f"{run[key]:.2f}" for run in runs)
 
     for way, runs in rows.items():
-        print(f"{way:<15} {cells(runs, 'startup'):>13} {cells(runs, 'cuda'):>13} {cells(runs, 'gib_read'):>17} "
+        print(f"{way:<19} {cells(runs, 'startup'):>13} {cells(runs, 'cuda'):>13} {cells(runs, 'gib_read'):>17} "
               f"{cells(runs, 'reader_done'):>14} {cells(runs, 'read_all_after'):>20}")
     return 0
 
