@@ -18,10 +18,12 @@ Ways of starting CUDA (``--cuda``, a GPU machine): ``cuda-after`` (torch starts 
 
 ``--cold-torch`` drops torch's and the NVIDIA wheels' files from the page cache too before each start-up, as on a
 node where nothing ran yet (the import then reads its shared libraries by page faults, 128 KiB at a time, beside
-the read-ahead); with it, the way ``libs+readahead`` is the read-ahead that ``transformd convert`` starts: it first
-asks the kernel for those libraries whole (``POSIX_FADV_WILLNEED`` on ``torch/lib/*.so*`` and ``nvidia/*/lib/*.so*``,
-which reads them in large requests in the background), then reads the file; ``torchlib+readahead`` the same with
-torch's own libraries only; ``readahead`` reads only the file.
+the read-ahead); with it, the way ``libs+readahead`` is ``readahead`` whose thread first asks the kernel for those
+libraries whole (``POSIX_FADV_WILLNEED`` on ``torch/lib/*.so*`` and ``nvidia/*/lib/*.so*``, which reads them in large
+requests in the background), ``torchlib+readahead`` the same with torch's own libraries only. Not in the package:
+tried there (fcac577), the start-up was shorter but the whole conversion was not
+(``benchmarks/results/startup_cold_torch_h100.txt``). ``--survey`` tells which bytes of those libraries a cold
+start-up reads (about a quarter of them on the H100 machine).
 """
 
 from __future__ import annotations
@@ -53,6 +55,36 @@ def torch_dirs() -> list[Path]:
     return [d for d in (torch_dir, torch_dir.parent / "nvidia") if d.is_dir()]
 
 
+def torch_libraries() -> list[Path]:
+    """The shared libraries of :func:`torch_dirs` (``torch/lib/*.so*``, ``nvidia/*/lib/*.so*``)."""
+    return [f for d in torch_dirs() for f in sorted(d.glob("lib/*.so*")) + sorted(d.glob("*/lib/*.so*"))
+            if f.is_file()]
+
+
+def _libraries_first():
+    """:class:`transformd.readahead.ReadAhead` whose thread first asks for ``libraries`` whole (WILLNEED, at its
+    normal I/O class), then reads the file at the idle class as the package's does (tried in the package as fcac577,
+    reverted: no gain in whole processes)."""
+    from transformd.readahead import ReadAhead
+
+    class LibrariesFirst(ReadAhead):
+        def __init__(self, files, budget, libraries):
+            self._libraries = libraries
+            super().__init__(files, budget)
+
+        def _run(self) -> None:
+            for lib in self._libraries:
+                try:
+                    fd = os.open(lib, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                os.close(fd)
+            super()._run()
+
+    return LibrariesFirst
+
+
 def child(way: str, path: str) -> dict[str, float]:
     """One start-up with ``way``: the numbers of one row."""
     fd = os.open(path, os.O_RDONLY)
@@ -71,13 +103,16 @@ def child(way: str, path: str) -> dict[str, float]:
                 done[0] = off
 
         wait.append(_started(read))
-    elif way in ("readahead", *LIB_WAYS):
-        from transformd.readahead import ReadAhead, torch_libraries
+    elif way == "readahead":
+        from transformd.readahead import ReadAhead
 
-        libraries = torch_libraries() if way in LIB_WAYS else []
+        ahead = ReadAhead([path], budget=size)
+        done = None
+    elif way in LIB_WAYS:
+        libraries = torch_libraries()
         if way == "torchlib+readahead":
-            libraries = [lib for lib in libraries if Path(lib).parent.parent.name == "torch"]
-        ahead = ReadAhead([path], budget=size, libraries=libraries)
+            libraries = [lib for lib in libraries if lib.parent.parent.name == "torch"]
+        ahead = _libraries_first()([path], size, libraries)
         wait.append(ahead)
         done = None
     elif way == "fork":
@@ -120,6 +155,43 @@ def child(way: str, path: str) -> dict[str, float]:
             "reader_done": t3 - t0, "read_all_after": time.perf_counter() - t3}
 
 
+def survey(top: int = 12) -> str:
+    """Which bytes of torch's and the NVIDIA wheels' libraries a cold start-up reads: they are dropped from the page
+    cache, a fresh process imports torch and allocates on the GPU, then each library's pages in the page cache are
+    counted (mincore)."""
+    import ctypes
+    import mmap
+
+    from convert_bench import drop_from_page_cache
+
+    for d in torch_dirs():
+        drop_from_page_cache(d)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch\nif torch.cuda.is_available(): torch.zeros(1, device='cuda')"],
+                   check=True)
+    seconds = time.perf_counter() - t0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    rows = []
+    for lib in torch_libraries():
+        size = lib.stat().st_size
+        vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+        with open(lib, "rb") as f:
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+            libc.mincore(address, size, vec)
+            libc.munmap(address, size)
+        rows.append((sum(b & 1 for b in vec.raw) * mmap.PAGESIZE, size, lib))
+    read, total = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    lines = [f"a cold `import torch` + first CUDA allocation: {seconds:.2f} s; of {len(rows)} libraries "
+             f"({total / 2**30:.2f} GiB) it read {read / 2**30:.2f} GiB; the most read:"]
+    lines += [f"{r / 2**20:9.1f} MiB of {size / 2**20:7.1f} MiB  {lib.parent.parent.name}/lib/{lib.name}"
+              for r, size, lib in sorted(rows, key=lambda row: -row[0])[:top]]
+    return "\n".join(lines)
+
+
 def _started(target) -> threading.Thread:
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
@@ -136,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cuda", action="store_true", help="also the ways of starting CUDA")
     p.add_argument("--cold-torch", action="store_true",
                    help="also drop torch's and the NVIDIA wheels' files before each start-up; adds libs+readahead")
+    p.add_argument("--survey", action="store_true",
+                   help="only tell which bytes of torch's libraries a cold start-up reads (torch's files dropped)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.survey:
+        print(survey())
+        return 0
     if args.child:
         print(json.dumps(child(args.child, args.file)))
         return 0

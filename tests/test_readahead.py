@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import mmap
 import os
 import subprocess
@@ -162,47 +161,6 @@ def test_it_stops_when_asked(tmp_path, reads, monkeypatch):
     assert ahead[0].bytes_read == 3000
 
 
-def test_the_libraries_are_asked_for_first_then_the_files_at_the_idle_class(tmp_path, reads, monkeypatch):
-    """torch's libraries whole (WILLNEED), before the source, at the thread's own I/O class (the import waits for
-    them); one missing or a FIFO is skipped, not waited on."""
-    files = _files(tmp_path / "src", {"a.safetensors": 1500})
-    libs = _files(tmp_path / "lib", {"libtorch_cpu.so": 3000, "libc10.so": 100})
-    os.mkfifo(tmp_path / "lib" / "libfifo.so")
-    seen, fadvise = [], os.posix_fadvise
-    idle = []
-
-    def advising(fd, offset, length, advice):
-        seen.append((_name(fd), offset, length, advice))
-        return fadvise(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", advising)
-    monkeypatch.setattr(readahead, "set_idle_io", lambda: idle.append(len(seen)))
-    fds = os.listdir("/proc/self/fd")
-    ahead = ReadAhead(files, budget=5000, libraries=[libs[0], tmp_path / "lib" / "libfifo.so", tmp_path / "missing",
-                                                     libs[1]])
-    ahead.join(30)
-    assert seen == [("libtorch_cpu.so", 0, 0, os.POSIX_FADV_WILLNEED), ("libc10.so", 0, 0, os.POSIX_FADV_WILLNEED)]
-    assert idle == [2]  # the source's reads at the idle class, after the libraries were asked for
-    assert ahead.bytes_read == 1500 and reads[0] == ("a.safetensors", 0, 1000)  # (libraries not in the budget)
-    assert os.listdir("/proc/self/fd") == fds
-
-
-def test_torch_libraries_are_found_without_importing_torch():
-    import torch
-
-    torch_dir = Path(torch.__file__).parent
-    code = ("import sys, json\nfrom transformd.readahead import torch_libraries\n"
-            "print(json.dumps([torch_libraries(), 'torch' in sys.modules]))")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
-    libs, imported = json.loads(done.stdout)
-    assert not imported
-    assert str(torch_dir / "lib" / "libtorch_cpu.so") in libs
-    assert all(Path(p).parent == torch_dir / "lib" or Path(p).parent.parent.parent == torch_dir.parent / "nvidia"
-               for p in libs), libs
-    assert readahead.torch_libraries() == []  # torch is imported here: nothing to ask for
-
-
 def test_the_shards_of_the_index_else_in_name_order_and_a_budget_the_memory_allows(tmp_path):
     d = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
     (d / ".hidden.safetensors").write_bytes(b"")
@@ -224,10 +182,9 @@ _PROBE = (
     "def imported():\n"  # torch's import is over (not only begun: the cache's warm-up imports it on a thread)
     "    return 'torch' in sys.modules and not getattr(sys.modules['torch'].__spec__, '_initializing', False)\n"
     "init, stop = r.ReadAhead.__init__, r.ReadAhead.stop\n"
-    "def started(self, files, *a, libraries=(), **k):\n"
-    "    what = ' and '.join(w for w, n in (('the source', files), ('torch libraries', libraries)) if n)\n"
-    "    print('read ahead', what + ', torch imported:', imported(), file=sys.stderr)\n"
-    "    init(self, files, *a, libraries=libraries, **k)\n"
+    "def started(self, *a, **k):\n"
+    "    print('read ahead, torch imported:', imported(), file=sys.stderr)\n"
+    "    init(self, *a, **k)\n"
     "def stopped(self):\n"
     "    if not self._stopped.is_set():\n"
     "        by = sys._getframe(1)\n"
@@ -253,8 +210,7 @@ _PROBE = (
 
 @pytest.mark.parametrize("where", ["--out", "--cache-dir", "--cache-dir, hashed"])
 def test_a_cold_convert_reads_ahead_while_torch_is_imported(tmp_path, where):
-    """The read-ahead (torch's libraries, then the source) starts before torch is imported and stops at the
-    conversion's first progress, CUDA is started
+    """The read-ahead starts before torch is imported and stops at the conversion's first progress, CUDA is started
     (for the device asked: nothing for the CPU) before torch is imported too; the output is right. Into the cache:
     a source the cache already knows (keyed by the stat cache, converted with a second target), and one new to it,
     hashed beside its conversion: there the hashing's read-ahead reads (the hashing itself waits for the
@@ -275,14 +231,11 @@ def test_a_cold_convert_reads_ahead_while_torch_is_imported(tmp_path, where):
     said = [line for line in done.stderr.splitlines() if "torch imported" in line]
     # stopped by the conversion's first progress update, not at the end
     if "hashed" in where:  # (the hashing's read-ahead starts after the warm-up thread began to import torch)
-        assert said == ["read ahead torch libraries, torch imported: False",
-                        "cuda started for cpu torch imported: False", "read ahead the source, torch imported: False",
-                        "stopped by converted torch imported: True", "stopped by update torch imported: True"
-                        ], done.stderr
+        assert said == ["cuda started for cpu torch imported: False", "read ahead, torch imported: False",
+                        "stopped by converted torch imported: True"], done.stderr
     else:
-        assert said == ["read ahead the source and torch libraries, torch imported: False",
-                        "cuda started for cpu torch imported: False", "stopped by update torch imported: True"
-                        ], done.stderr
+        assert said == ["read ahead, torch imported: False", "cuda started for cpu torch imported: False",
+                        "stopped by update torch imported: True"], done.stderr
     assert ("hashed alongside" in done.stderr) == ("hashed" in where), done.stderr
     assert_converted(src, Path(done.stdout.splitlines()[-1]), "fnuz" if where == "--cache-dir" else "ocp", "exact")
 

@@ -1,14 +1,12 @@
 """Reading a checkpoint ahead of its conversion while the process starts, and how far ahead is safe.
 
-A cold ``transformd convert`` spends its first seconds importing torch and starting CUDA, and its conversion cannot
-write before that. The disk would idle meanwhile, so the source's first shards are read into the page cache then
-(:class:`ReadAhead`), and the conversion finds them there; first, torch's shared libraries are asked for whole
-(:func:`torch_libraries`), which a cold import would read by page faults, 128 KiB at a time. It stops when the
-conversion starts (from then on its reads would take the disk from the conversion's writes) and after
-:func:`read_ahead_bytes` at the most (what is read ahead must stay in the page cache until the conversion reads it).
-The hashing beside a conversion of a source new to the cache (:class:`transformd.cache.alongside.Hasher`) starts one
-of its own for the same time, and reads ahead of the conversion afterwards (by a smaller lead and the same memory
-bound). No torch here.
+A cold ``transformd convert`` spends its first seconds importing torch and starting CUDA, and its conversion
+cannot write before that. The disk would idle meanwhile, so the source's first shards are read into the page cache
+then (:class:`ReadAhead`), and the conversion finds them there. It stops when the conversion starts (from then on
+its reads would take the disk from the conversion's writes) and after :func:`read_ahead_bytes` at the most (what is
+read ahead must stay in the page cache until the conversion reads it). The hashing beside a conversion of a source
+new to the cache (:class:`transformd.cache.alongside.Hasher`) starts one of its own for the same time, and reads
+ahead of the conversion afterwards (by a smaller lead and the same memory bound). No torch here.
 
 The reading must not wait for the GIL, which the import holds nearly all the time: a thread that takes it back
 after every 8 MiB ``preadv`` read 2.8-3.4 GiB during 3.5-4.2 s start-ups on the H200 machine, about half the
@@ -70,17 +68,10 @@ def read_ahead_bytes(most: int = READ_AHEAD_BYTES) -> int:
 
 class ReadAhead:
     """A thread that reads ``files`` (in the order the conversion will) into the page cache, ``budget`` bytes at
-    the most, until :meth:`stop`. Best effort: a file it cannot read is skipped (the conversion reports it).
+    the most, until :meth:`stop`. Best effort: a file it cannot read is skipped (the conversion reports it)."""
 
-    ``libraries`` (:func:`torch_libraries`) are asked for first, whole and at the thread's normal I/O class
-    (``POSIX_FADV_WILLNEED``: the kernel reads them in large requests in the background; not counted in
-    ``budget``), so that the import finds them in the page cache instead of reading them by page faults behind the
-    read-ahead's requests."""
-
-    def __init__(self, files: Sequence[str | os.PathLike[str]], budget: int | None = None,
-                 libraries: Sequence[str | os.PathLike[str]] = ()):
+    def __init__(self, files: Sequence[str | os.PathLike[str]], budget: int | None = None):
         self._files, self._budget = [os.fspath(f) for f in files], read_ahead_bytes() if budget is None else budget
-        self._libraries = [os.fspath(f) for f in libraries]
         self._stopped = threading.Event()
         self.bytes_read = 0
         self._thread = threading.Thread(target=self._run, name="transformd-read-ahead", daemon=True)
@@ -88,10 +79,6 @@ class ReadAhead:
 
     def _run(self) -> None:
         try:
-            for path in self._libraries:
-                if self._stopped.is_set():
-                    return
-                _will_need(path)
             set_idle_io()
             with _Reader() as read:
                 for path in self._files:
@@ -125,42 +112,6 @@ class ReadAhead:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
-
-
-def _will_need(path: str) -> None:
-    """Ask the kernel to read ``path`` whole into the page cache (best effort)."""
-    fd = _open_regular(path)
-    if fd is None:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    except (OSError, AttributeError):  # (AttributeError: no posix_fadvise on this platform)
-        pass
-    finally:
-        os.close(fd)
-
-
-def torch_libraries() -> list[str]:
-    """The shared libraries a first ``import torch`` maps: torch's (``torch/lib``) and the NVIDIA wheels' beside it
-    (``nvidia/*/lib``), found without importing torch; [] once torch is imported, or where it is not installed."""
-    if "torch" in sys.modules:
-        return []
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec("torch")
-    except (ImportError, ValueError):
-        return []
-    if spec is None or spec.origin is None:
-        return []
-    torch_dir = Path(spec.origin).parent
-    found = []
-    for lib in [torch_dir / "lib", *sorted((torch_dir.parent / "nvidia").glob("*/lib"))]:
-        try:
-            found += [os.path.join(lib, n) for n in sorted(os.listdir(lib)) if ".so" in n]
-        except OSError:
-            continue
-    return found
 
 
 class _Reader:

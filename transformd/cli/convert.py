@@ -134,25 +134,27 @@ def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> N
 @contextlib.contextmanager
 def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None], read_ahead: bool = True
                     ) -> Iterator[Callable[[Any], None]]:
-    """While torch is imported: ask for torch's libraries, read ``src``'s first shards into the page cache
-    (:mod:`transformd.readahead`; not with ``read_ahead`` false: the hashing of a source new to the cache does that
-    itself) and start CUDA on the GPUs the conversion will use (:mod:`transformd.cuda_start`). ``progress`` is given
-    back wrapped so that the conversion's first update stops the reading."""
+    """While torch is imported: read ``src``'s first shards into the page cache (:mod:`transformd.readahead`; not
+    with ``read_ahead`` false: the hashing of a source new to the cache does that itself) and start CUDA on the GPUs
+    the conversion will use (:mod:`transformd.cuda_start`). ``progress`` is given back wrapped so that the
+    conversion's first update stops the reading."""
     from ..cuda_start import start_cuda
-    from ..readahead import ReadAhead, shard_files, torch_libraries
+    from ..readahead import ReadAhead, shard_files
 
     shards = shard_files(src)
-    ahead = ReadAhead(shards if read_ahead else [], libraries=torch_libraries())
+    ahead = ReadAhead(shards) if read_ahead else None
     cuda = start_cuda(device, len(shards))
 
     def update(status: Any) -> None:
-        ahead.stop()
+        if ahead is not None:
+            ahead.stop()
         progress(status)
 
     try:
         yield update
     finally:
-        ahead.stop()
+        if ahead is not None:
+            ahead.stop()
         if cuda is not None:  # (done by now unless the conversion failed early: not left in the driver at exit)
             cuda.join(10)
 
