@@ -63,8 +63,8 @@ def torch_libraries() -> list[Path]:
 
 def _libraries_first():
     """:class:`transformd.readahead.ReadAhead` whose thread first asks for ``libraries`` whole (WILLNEED, at its
-    normal I/O class), then reads the file at the idle class as the package's does (tried in the package as fcac577,
-    reverted: no gain in whole processes)."""
+    normal I/O class), then reads the file at the idle class as the package's does (with no libraries: the package's
+    read-ahead; tried in the package as fcac577, reverted: no gain in whole processes)."""
     from transformd.readahead import ReadAhead
 
     class LibrariesFirst(ReadAhead):
@@ -103,13 +103,8 @@ def child(way: str, path: str) -> dict[str, float]:
                 done[0] = off
 
         wait.append(_started(read))
-    elif way == "readahead":
-        from transformd.readahead import ReadAhead
-
-        ahead = ReadAhead([path], budget=size)
-        done = None
-    elif way in LIB_WAYS:
-        libraries = torch_libraries()
+    elif way in ("readahead", *LIB_WAYS):
+        libraries = torch_libraries() if way in LIB_WAYS else []
         if way == "torchlib+readahead":
             libraries = [lib for lib in libraries if lib.parent.parent.name == "torch"]
         ahead = _libraries_first()([path], size, libraries)
@@ -178,6 +173,8 @@ def survey(top: int = 12) -> str:
     rows = []
     for lib in torch_libraries():
         size = lib.stat().st_size
+        if size == 0:
+            continue
         vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
         with open(lib, "rb") as f:
             address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
@@ -207,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, of {READ_WAYS + CUDA_WAYS + LIB_WAYS}")
     p.add_argument("--cuda", action="store_true", help="also the ways of starting CUDA")
     p.add_argument("--cold-torch", action="store_true",
-                   help="also drop torch's and the NVIDIA wheels' files before each start-up; adds libs+readahead")
+                   help=f"also drop torch's and the NVIDIA wheels' files before each start-up; adds {LIB_WAYS}")
     p.add_argument("--survey", action="store_true",
                    help="only tell which bytes of torch's libraries a cold start-up reads (torch's files dropped)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
