@@ -159,17 +159,18 @@ def survey(top: int = 12) -> str:
 
     from convert_bench import drop_from_page_cache
 
+    from transformd.readahead import _libc  # (mmap, mincore and munmap typed)
+
+    libc = _libc()
+    if libc is None:
+        raise SystemExit("--survey needs mmap and mincore from the C library")
+
     for d in torch_dirs():
         drop_from_page_cache(d)
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch\nif torch.cuda.is_available(): torch.zeros(1, device='cuda')"],
                    check=True)
     seconds = time.perf_counter() - t0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     rows = []
     for lib in torch_libraries():
         size = lib.stat().st_size
@@ -178,8 +179,10 @@ def survey(top: int = 12) -> str:
         vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
         with open(lib, "rb") as f:
             address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
-            libc.mincore(address, size, vec)
-            libc.munmap(address, size)
+            if address in (None, ctypes.c_void_p(-1).value):
+                continue
+            libc.mincore(ctypes.c_void_p(address), size, vec)
+            libc.munmap(ctypes.c_void_p(address), size)
         rows.append((sum(b & 1 for b in vec.raw) * mmap.PAGESIZE, size, lib))
     read, total = sum(r[0] for r in rows), sum(r[1] for r in rows)
     lines = [f"a cold `import torch` + first CUDA allocation: {seconds:.2f} s; of {len(rows)} libraries "
