@@ -24,7 +24,7 @@ from transformd.checkpoint import (
     convert_checkpoint,
     plan_conversion,
 )
-from transformd.checkpoint.pieces import ReferenceConverter
+from transformd.checkpoint.pieces import CpuConverter
 from transformd.formats import MxFormatError
 from transformd.kernels import GroupMemberError
 from transformd import sample
@@ -332,7 +332,7 @@ def test_error_after_partial_output_leaves_existing_out_as_it_was(tmp_path: Path
     (out / "old.txt").write_text("old")
     written: list[Progress] = []
     a_written = lambda: written and written[-1].tensors_done > len(shards[SHARD_A])  # noqa: E731
-    convert = ReferenceConverter.__call__
+    convert = CpuConverter.__call__
 
     def after_shard_a(self, slot, out, pieces):  # the invalid weight fails only once shard A is on disk
         try:
@@ -343,7 +343,7 @@ def test_error_after_partial_output_leaves_existing_out_as_it_was(tmp_path: Path
                 time.sleep(0.01)
             raise
 
-    monkeypatch.setattr(ReferenceConverter, "__call__", after_shard_a)
+    monkeypatch.setattr(CpuConverter, "__call__", after_shard_a)
     with pytest.raises(MxFormatError):
         convert_checkpoint(src, out, device="cpu", overwrite=True, progress=written.append)
     assert a_written(), "the error came after output was written"

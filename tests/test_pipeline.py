@@ -33,7 +33,8 @@ from transformd.sample import write_sample_checkpoint
 #: Shapes with partial 128x128 tiles on every weight (the sample's defaults are engine-aligned).
 AWKWARD = {"hidden": 320, "moe_intermediate": 224, "head_dim": 64}
 
-from .support.checkpoints import assert_converted_sample
+from .support.checkpoints import SHARD_B, assert_converted, assert_converted_sample, default_shards, write_checkpoint
+from .support.kernel_cases import AWKWARD as AWKWARD_VALUES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -357,7 +358,7 @@ def test_error_stops_a_slow_writer_promptly(tmp_path: Path, monkeypatch) -> None
     _plant_nan_in_middle_shard(src)
     failed_at: list[float] = []
     late_writes: list[float] = []
-    real_convert = pieces.ReferenceConverter.__call__
+    real_convert = pieces.CpuConverter.__call__
     real_write = pipeline.SafetensorsWriter.write
 
     def convert(self, codes, scales, out):
@@ -373,7 +374,7 @@ def test_error_stops_a_slow_writer_promptly(tmp_path: Path, monkeypatch) -> None
         time.sleep(0.05)
         real_write(self, name, data)
 
-    monkeypatch.setattr(pieces.ReferenceConverter, "__call__", convert)
+    monkeypatch.setattr(pieces.CpuConverter, "__call__", convert)
     monkeypatch.setattr(pipeline.SafetensorsWriter, "write", slow_write)
     started = time.monotonic()
     with pytest.raises(MxFormatError):
@@ -395,6 +396,64 @@ def test_progress_callback_error_stops_everything(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         convert_checkpoint(src, tmp_path / "out", device="cpu", progress=progress)
     assert sorted(os.listdir(tmp_path)) == ["src"] and transformd_threads() == []
+
+
+@pytest.mark.parametrize("target", ["fnuz", "ocp"])
+def test_cpu_exact_mode_is_the_references_bytes_by_table_lookups_in_bands(tmp_path: Path, target: str,
+                                                                         monkeypatch) -> None:
+    """The CPU path's exact mode converts by NumPy table lookups on a pool of threads, one band of 128-row tiles at
+    a time (one tile row here): the reference's bytes on every input at the edges of the contract (-0, subnormals,
+    extreme and mixed scales, partial tiles, one-row weights), and the reference is not asked for them."""
+    shards = default_shards()
+    for i, (_, (codes, scales)) in enumerate(AWKWARD_VALUES.items()):
+        shards[SHARD_B].update({
+            f"model.layers.0.mlp.awkward.{i}.weight": codes.clone().view(torch.float8_e4m3fn),
+            f"model.layers.0.mlp.awkward.{i}.weight_scale": scales.clone(),
+        })
+    src = write_checkpoint(tmp_path / "src", shards)
+    monkeypatch.setattr(pieces, "CPU_BAND_BYTES", 1)
+    bands: list[int] = []
+    real_bands = pieces._bands
+
+    def counting(piece, source, dest):
+        made = list(real_bands(piece, source, dest))
+        bands.append(len(made))
+        return made
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the exact mode asked the PyTorch reference for a valid weight")
+
+    monkeypatch.setattr(pieces, "_bands", counting)
+    monkeypatch.setattr(pieces, "convert_weight", no_reference)
+    convert_checkpoint(src, tmp_path / "out", target=target, device="cpu")
+    assert_converted(src, tmp_path / "out", target)
+    assert max(bands) >= 8, "a weight of several experts or tile rows is cut into bands"
+    assert transformd_threads() == []
+
+
+def test_cpu_amax_mode_and_invalid_values_go_to_the_reference(tmp_path: Path, monkeypatch) -> None:
+    """The amax mode, and a weight whose values the lookups refuse, are the PyTorch reference's: the error names
+    the tensor and the file as it always did."""
+    asked: list[str] = []
+    real = pieces.convert_weight
+
+    def recording(codes, scales, target, scale_mode, device):
+        asked.append(ScaleMode(scale_mode).value)
+        return real(codes, scales, target, scale_mode, device)
+
+    monkeypatch.setattr(pieces, "convert_weight", recording)
+    src = sample(tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "amax", scale_mode="amax", device="cpu")
+    assert asked and set(asked) == {"amax"}
+    shard, tensor = _plant_nan_in_middle_shard(src)
+    asked.clear()
+    with pytest.raises(MxFormatError) as info:
+        convert_checkpoint(src, tmp_path / "exact", device="cpu")
+    assert asked == ["exact"], "only the weight with the NaN goes to the reference"
+    assert info.value.tensor == tensor and info.value.file == str(src / shard)
+    assert "NaN weight code (0x7F/0xFF)" in str(info.value)
+    assert not (tmp_path / "exact").exists()
+    assert transformd_threads() == []
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 
@@ -29,6 +30,14 @@ from .formats import E8M0_BIAS, E8M0_NAN, MX_BLOCK, TILE, tile_grid
 D_MIN, D_MAX = -19, 17
 #: Bytes of table indices made at once: a lookup from an index array in the core's cache ran 2x faster.
 _INDEX_BYTES = 1 << 20
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (no affinity on this platform)
+        return os.cpu_count() or 1
 
 
 def e4m3fn_value(code: int) -> float:

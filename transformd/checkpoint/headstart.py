@@ -49,7 +49,7 @@ import numpy as np
 
 from .. import _durable
 from ..formats import TILE, Target
-from ..numpy_exact import convert_exact, table
+from ..numpy_exact import convert_exact, table, usable_cores
 from ..readahead import in_page_cache
 from ..safetensors_header import ShardFiles
 from ..safetensors_writer import SafetensorsWriter
@@ -73,11 +73,7 @@ _PROC_FD = re.compile(r"/proc/self/fd/(\d+)")
 def head_start_threads() -> int:
     """Threads the worker converts with: the process's cores but two (the import and the writing), at least 1 and at
     most ``MAX_THREADS``."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cores - 2))
+    return max(1, min(MAX_THREADS, usable_cores() - 2))
 
 
 def source_descriptors(plan: ConversionPlan) -> tuple[int, ...]:

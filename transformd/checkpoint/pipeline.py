@@ -24,7 +24,7 @@ from ..safetensors_io import (
 from .pieces import (
     CPU_WORK_FACTOR,
     KernelConverter,
-    ReferenceConverter,
+    CpuConverter,
     Unit,
     align,
     make_converter,
@@ -402,7 +402,7 @@ class _Lane:
             converter.close()
 
     def _convert_batch(
-        self, converter: ReferenceConverter | KernelConverter, batch: _Batch, scales: list[torch.Tensor]
+        self, converter: CpuConverter | KernelConverter, batch: _Batch, scales: list[torch.Tensor]
     ) -> None:
         """Convert a batch into an output slot and send its pieces to the writer, each weight's scales after its
         last piece's codes (``scales`` holds those of a weight whose last piece is still to come)."""
