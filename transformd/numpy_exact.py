@@ -1,4 +1,5 @@
-"""The exact scale mode in NumPy, without torch: what a head start converts with while torch is imported.
+"""The exact scale mode in NumPy, without torch: what the CPU path converts with, and a head start while torch is
+imported.
 
 In the exact mode a tile's scale is a power of two, ``2**E``, so an element's converted code depends only on its
 code ``q`` and on ``d = s - 127 - E`` (its 32-block's E8M0 byte ``s`` against its tile's exponent): it is
