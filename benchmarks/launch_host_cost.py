@@ -31,6 +31,8 @@ def _table_rows(weights, n, k, nt, kt):
 
 
 def _launch_group_variant(rows, bases, target, scale_mode, kernel, num_warps, aligned, direct):
+    """kernels._launch_group with its table made another way (its grouping copied: a change to kernels.py, even a
+    host-side one, wants a new recorded GPU run, tests/test_gpu_record.py)."""
     shapes = {}
     firsts, tiles = [], 0
     for shape, q_off, s_off, o_off, sc_off in rows:
@@ -72,6 +74,8 @@ def launch_group_list(*a):
 
 def launch_group_list_direct(*a):
     return _launch_group_variant(*a, direct=True)
+
+
 REPS = 300
 
 
