@@ -23,8 +23,8 @@ from ..safetensors_io import (
 )
 from .pieces import (
     CPU_WORK_FACTOR,
-    KernelConverter,
     CpuConverter,
+    KernelConverter,
     Unit,
     align,
     make_converter,
