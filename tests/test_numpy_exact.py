@@ -90,6 +90,20 @@ def test_bands_of_whole_tiles_convert_like_the_whole_matrix():
         np.testing.assert_array_equal(part[1], whole_s[r0 // 128 : r0 // 128 + 2])
 
 
+@pytest.mark.parametrize("shape, most", [((700, 256), 256 * 256), ((3, 300, 96), 1), ((2, 129, 4096), 1 << 20),
+                                         ((64, 32), 1 << 30)])
+def test_tile_bands_cover_each_expert_in_whole_tiles(shape, most):
+    *lead, n, k = shape
+    bands = list(numpy_exact.tile_bands(shape, most))
+    experts = lead[0] if lead else 1
+    order = [e for e, _, _ in bands]
+    assert order == sorted(order) and set(order) == set(range(experts))
+    for e in range(experts):
+        rows = [(r0, r1) for x, r0, r1 in bands if x == e]
+        assert rows[0][0] == 0 and rows[-1][1] == n and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+        assert all(r0 % 128 == 0 and (r1 - r0 <= 128 or (r1 - r0) * k <= most) for r0, r1 in rows)
+
+
 def test_in_place():
     q, s = random_mx((300, 256), seed=12)
     want = convert_exact(q.numpy(), s.numpy(), fnuz=False)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -31,6 +32,17 @@ from .formats import E8M0_BIAS, E8M0_NAN, MX_BLOCK, TILE, tile_grid
 D_MIN, D_MAX = -19, 17
 #: Bytes of table indices made at once: a lookup from an index array in the core's cache ran 2x faster.
 _INDEX_BYTES = 1 << 20
+
+
+def tile_bands(shape: Sequence[int], most_bytes: int) -> Iterator[tuple[int, int, int]]:
+    """(expert, first row, end row) of each band of an [N, K] or [E, N, K] weight, in the order of its bytes: whole
+    128-row tiles of one expert, at most ``most_bytes`` codes (one tile row at the least), each of which
+    :func:`convert_exact` converts as it would the whole matrix."""
+    *lead, n, k = shape
+    rows = max(TILE, most_bytes // max(1, k) // TILE * TILE)
+    for e in range(math.prod(lead)):
+        for r0 in range(0, n, rows):
+            yield e, r0, min(n, r0 + rows)
 
 
 def usable_cores() -> int:

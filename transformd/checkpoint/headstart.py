@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -48,8 +48,8 @@ from typing import IO, Any
 import numpy as np
 
 from .. import _durable
-from ..formats import TILE, Target
-from ..numpy_exact import convert_exact, table, usable_cores
+from ..formats import Target
+from ..numpy_exact import convert_exact, table, tile_bands, usable_cores
 from ..readahead import in_page_cache
 from ..safetensors_header import ShardFiles
 from ..safetensors_writer import SafetensorsWriter
@@ -398,7 +398,7 @@ class _Worker:
                     continue
                 if not pair.weight.nbytes:
                     raise _GiveBack(f"{pair.weight.name} is empty")
-                for unit in _units(pair):
+                for unit in tile_bands(pair.weight.shape, UNIT_BYTES):
                     self._check()
                     while len(ahead) >= AHEAD_UNITS * self._threads:
                         write_oldest()
@@ -431,15 +431,6 @@ class _Worker:
     def _check(self) -> None:
         if self.cancelled.is_set():
             raise _GiveBack("cancelled")
-
-
-def _units(pair: MxPair) -> Iterator[tuple[int, int, int]]:
-    """(expert, first row, end row) of each unit of ``pair``, in the order of its bytes: bands of whole tiles."""
-    *lead, n, k = pair.weight.shape
-    rows = max(TILE, UNIT_BYTES // max(1, k) // TILE * TILE)
-    for e in range(lead[0] if lead else 1):
-        for r0 in range(0, n, rows):
-            yield e, r0, min(n, r0 + rows)
 
 
 def _read_scales(pair: MxPair, e: int, r0: int, r1: int, files: ShardFiles) -> tuple[np.ndarray, int]:

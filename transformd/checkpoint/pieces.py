@@ -16,7 +16,7 @@ import torch
 from ..convert import convert_weight
 from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target
 from ..kernels import GroupMemberError, PackedWeight, convert_packed
-from ..numpy_exact import convert_exact, usable_cores
+from ..numpy_exact import convert_exact, tile_bands, usable_cores
 from .plan import MxPair
 
 #: Slots of each pool (input pieces, converted pieces) that the budget must hold at the least.
@@ -211,10 +211,8 @@ def _bands(piece: PackedWeight, source: np.ndarray, dest: np.ndarray
     codes = source[piece.code_offset : piece.code_offset + size].reshape(experts, n, k)
     scales = source[piece.scale_offset : piece.scale_offset + size // MX_BLOCK].reshape(experts, n, k // MX_BLOCK)
     converted = dest[piece.code_offset : piece.code_offset + size].reshape(experts, n, k)
-    rows = max(TILE, CPU_BAND_BYTES // k // TILE * TILE)
-    for e in range(experts):
-        for r0 in range(0, n, rows):
-            yield codes[e, r0 : r0 + rows], scales[e, r0 : r0 + rows], converted[e, r0 : r0 + rows]
+    for e, r0, r1 in tile_bands(piece.shape, CPU_BAND_BYTES):
+        yield codes[e, r0:r1], scales[e, r0:r1], converted[e, r0:r1]
 
 
 class KernelConverter:
