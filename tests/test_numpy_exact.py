@@ -81,6 +81,21 @@ def test_shapes_not_multiples_of_128_and_the_index_chunks(shape, target, monkeyp
     assert_like_reference(q, s, target)
 
 
+@pytest.mark.parametrize("piece", [32, 96, 1 << 18])
+def test_block_maxima_are_the_largest_magnitude_of_each_block(piece, monkeypatch):
+    """In pieces of one block, of three (the last one partial) and the default; the largest code at every position
+    of a block, and the sign bit ignored."""
+    monkeypatch.setattr(numpy_exact, "_MAX_BYTES", piece)
+    rng = np.random.default_rng(piece)
+    signs = rng.integers(0, 2, size=(37, 160), dtype=np.uint8) << 7
+    codes = rng.integers(0, 64, size=(37, 160), dtype=np.uint8) | signs
+    rows, biggest = np.arange(37), (64 + np.arange(37)).astype(np.uint8)
+    codes.reshape(37, 5, 32)[rows, rows % 5, rows % 32] = 0x80 | biggest  # (row i: block i % 5, position i % 32)
+    want = (codes & 0x7F).reshape(37, 5, 32).max(axis=2)
+    assert (want[rows, rows % 5] == biggest).all()
+    np.testing.assert_array_equal(numpy_exact.block_maxima(codes), want)
+
+
 def test_bands_of_whole_tiles_convert_like_the_whole_matrix():
     q, s = random_mx((700, 256), seed=11)
     whole_q, whole_s = convert_exact(q.numpy(), s.numpy(), fnuz=True)

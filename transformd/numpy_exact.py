@@ -32,6 +32,8 @@ from .formats import E8M0_BIAS, E8M0_NAN, MX_BLOCK, TILE, tile_grid
 D_MIN, D_MAX = -19, 17
 #: Bytes of table indices made at once: a lookup from an index array in the core's cache ran 2x faster.
 _INDEX_BYTES = 1 << 20
+#: Bytes of codes whose block maxima are taken at once (:func:`block_maxima`; fastest of 64 KiB to 1 MiB).
+_MAX_BYTES = 1 << 18
 
 
 def tile_bands(shape: Sequence[int], most_bytes: int) -> Iterator[tuple[int, int, int]]:
@@ -98,6 +100,34 @@ def _magnitudes() -> np.ndarray:
     return np.array([0.0 if c == 0x7F else e4m3fn_value(c) for c in range(128)], dtype=np.float64)
 
 
+@functools.cache
+def _powers() -> np.ndarray:
+    """float64 ``2**(s - 127)`` of every E8M0 byte ``s`` (0xFF, NaN, refused before it is used)."""
+    return np.ldexp(1.0, np.arange(256) - E8M0_BIAS)
+
+
+def block_maxima(codes: np.ndarray) -> np.ndarray:
+    """The largest magnitude code (0..127) of each 32-block of uint8 ``codes`` [N, K] -> uint8 [N, K/32].
+
+    By element-wise maxima of the codes and themselves shifted by 1, 2, 4, 8 and 16 (after which each position
+    holds the largest of the 32 from it on), in pieces of :data:`_MAX_BYTES`: a reduction along 32-byte rows ran
+    8x slower (18 ms against 2 ms for 16 MiB)."""
+    n, k = codes.shape
+    flat = codes.reshape(-1)
+    out = np.empty(flat.size // MX_BLOCK, dtype=np.uint8)
+    step = max(MX_BLOCK, min(_MAX_BYTES, flat.size))
+    a, b = np.empty(step, dtype=np.uint8), np.empty(step, dtype=np.uint8)
+    for at in range(0, flat.size, step):
+        size = min(step, flat.size - at)
+        np.bitwise_and(flat[at : at + size], 0x7F, out=a[:size])
+        cur, spare, live, shift = a, b, size, 1
+        while shift < MX_BLOCK:
+            np.maximum(cur[: live - shift], cur[shift:live], out=spare[: live - shift])
+            cur, spare, live, shift = spare, cur, live - shift, 2 * shift
+        out[at // MX_BLOCK : (at + size) // MX_BLOCK] = cur[0:live:MX_BLOCK]
+    return out.reshape(n, k // MX_BLOCK)
+
+
 def convert_exact(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.ndarray | None = None
                   ) -> tuple[np.ndarray, np.ndarray] | None:
     """Convert an MXFP8 matrix in the exact scale mode: uint8 ``codes`` [N, K] (K a multiple of 32) and their E8M0
@@ -110,26 +140,25 @@ def convert_exact(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.
     """
     n, k = codes.shape
     groups = k // MX_BLOCK
-    biggest = np.bitwise_and(codes, 0x7F).reshape(n * groups, MX_BLOCK).max(axis=1).reshape(n, groups)
+    if out is None:
+        out = np.empty((n, k), dtype=np.uint8)
+    if not (n and groups):
+        return out, np.empty(tile_grid(n, k), dtype=np.float32)
+    biggest = block_maxima(codes)
     if (biggest == 0x7F).any() or (scales == E8M0_NAN).any():
         return None
-    block_max = _magnitudes()[biggest] * np.exp2(scales.astype(np.float64) - E8M0_BIAS)  # exact in float64
+    block_max = _magnitudes()[biggest] * _powers()[scales]  # exact in float64
     if (block_max >= 2.0**128).any():  # not finite in float32
         return None
-    tiles_n, tiles_k = tile_grid(n, k)
     per_tile = TILE // MX_BLOCK
-    by_row = np.zeros((tiles_n * TILE, tiles_k * per_tile))  # (zero rows and blocks pad the partial tiles)
-    by_row[:n, :groups] = block_max
-    by_row = by_row.reshape(tiles_n * TILE, tiles_k, per_tile).max(axis=2)
-    amax = by_row.reshape(tiles_n, TILE, tiles_k).max(axis=1)
+    by_rows = np.maximum.reduceat(block_max, np.arange(0, n, TILE), axis=0)  # (a partial tile: the rows it has)
+    amax = np.maximum.reduceat(by_rows, np.arange(0, groups, per_tile), axis=1)
     mant, exp = np.frexp(amax)  # amax = mant * 2**exp; 448 * 2**E = 0.875 * 2**(E + 9)
     e = np.where(amax == 0, 0, np.where(mant <= 0.875, exp - 9, exp - 8)).astype(np.int16)
     scale_inv = np.ldexp(np.float64(2.0) if fnuz else np.float64(1.0), e).astype(np.float32)
     e_of_block = np.repeat(np.repeat(e, TILE, axis=0)[:n], per_tile, axis=1)[:, :groups]
     d = scales.astype(np.int16) - (E8M0_BIAS + D_MIN) - e_of_block
     row = np.left_shift(np.clip(d, 0, D_MAX - D_MIN).astype(np.uint16), 8)[:, :, None]
-    if out is None:
-        out = np.empty((n, k), dtype=np.uint8)
     lookup = table(fnuz).reshape(-1)
     blocks, converted = codes.reshape(n, groups, MX_BLOCK), out.reshape(n, groups, MX_BLOCK)
     step = max(1, _INDEX_BYTES // (2 * k))  # rows whose uint16 indices stay in the core's cache
