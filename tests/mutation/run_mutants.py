@@ -5,7 +5,7 @@ Each mutant (:data:`MUTANTS`) replaces one exact piece of source text in a tempo
 (``python -m pytest -x -q FILES``, with the copy first on ``PYTHONPATH``). A mutant is *killed* when the tests
 fail and *survives* when they pass; a survivor is either a hole in the tests or a change the contract allows
 (its ``note`` says which). The modules covered are the ones that decide bytes and trust: ``formats.py`` and
-``mx.py``, the host code of ``kernels.py``, ``reference.py``, ``cache/keys.py``, the source policy
+``mx.py``, the host code of ``kernels.py``, ``reference.py``, ``numpy_exact.py``, ``cache/keys.py``, the source policy
 (``cache/securefs.py``, ``daemon/paths.py``) and the publish paths (``_durable.py``, ``checkpoint/convert.py``,
 ``cache/store.py`` seal/publish, ``cache/seal.py``, ``cache/manifest.py``, ``safetensors_io.py``'s writer) and
 converting while hashing (``cache/alongside.py``, and the daemon's first resolve in ``daemon/app.py`` and
@@ -48,6 +48,7 @@ DURABILITY_TESTS = ["tests/test_durability.py"]
 GPU_RECORD = ["tests/test_gpu_record.py", "-k", "covers"]
 ALONGSIDE_TESTS = ["tests/test_cache_alongside.py", "tests/test_cache_processes.py"]
 DAEMON_ALONGSIDE_TESTS = ["tests/test_daemon_alongside.py"]
+NUMPY_TESTS = ["tests/test_numpy_exact.py"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,14 @@ MUTANTS: list[Mutant] = [
       note="identical on the CPU (IEEE there); differs only on CUDA, where the GPU suite compares with the oracle"),
     m("reference-fnuz-scale-not-doubled", "transformd/reference.py", "return codes, scale * 2", "return codes, scale",
       KERNEL_TESTS),
+    # -- numpy_exact.py: the CPU path's and the head start's lookups --------------------------------------------------
+    m("numpy-block-maxima-16-wide", "transformd/numpy_exact.py", "while shift < MX_BLOCK:",
+      "while shift < MX_BLOCK // 2:", NUMPY_TESTS),
+    m("numpy-tile-amax-half-tiles", "transformd/numpy_exact.py", "np.arange(0, n, TILE)", "np.arange(0, n, TILE // 2)",
+      NUMPY_TESTS),
+    m("numpy-exact-scale-boundary", "transformd/numpy_exact.py", "mant <= 0.875", "mant < 0.875", NUMPY_TESTS),
+    m("numpy-fnuz-table-swapped", "transformd/numpy_exact.py", "lookup = table(fnuz)", "lookup = table(not fnuz)",
+      NUMPY_TESTS),
     # -- cache/keys.py -----------------------------------------------------------------------------------------------
     m("key-ignores-tokenizer-content", "transformd/cache/keys.py", "        records.append(FileRecord(rel, st.st_size, digest))",
       "        records.append(FileRecord(rel, st.st_size, 'x' if rel == 'tokenizer.json' else digest))", KEY_TESTS),
