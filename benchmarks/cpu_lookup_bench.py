@@ -1,8 +1,8 @@
 """The CPU's exact-mode conversion, one weight at a time: NumPy table lookups (``transformd.numpy_exact``) against
 the PyTorch reference, on the speed benchmarks' shapes, in one process, alternated, and checked byte for byte.
 
-Columns: ``convert_exact`` alone on one thread; ``convert_weight(device="cpu")`` (validation and the tensors around
-it: the lookups since they replaced the reference there, the reference before); ``convert_reference`` itself. Best
+Columns: ``convert_exact`` alone on one thread; ``convert_weight(device="cpu")``, the package's tensor-level CPU path
+with its validation (the reference at 8e67383); ``convert_reference`` itself. Best
 of ``--repeat`` runs each (the reference fewer: ``--reference-repeat``), input codes' GiB/s, and the reference's time
 over the others'. No GPU needed. From the repository's root::
 
