@@ -48,16 +48,23 @@ def test_shifts_beyond_the_table_give_what_its_last_rows_give():
     assert smallest_nonzero <= 448 < smallest_nonzero * 2
 
 
-def assert_like_reference(q: torch.Tensor, s: torch.Tensor, target: str) -> None:
-    want_q, want_s = convert_reference(q, s, target, "exact")
+def assert_like_reference(q: torch.Tensor, s: torch.Tensor, target: str, mode: str = "exact") -> None:
+    want_q, want_s = convert_reference(q, s, target, mode)
     q3, s3 = (q, s) if q.dim() == 3 else (q[None], s[None])
     want_q, want_s = (want_q, want_s) if q.dim() == 3 else (want_q[None], want_s[None])
+    convert = convert_exact if mode == "exact" else numpy_exact.convert_amax
     for i in range(q3.shape[0]):
-        got = convert_exact(q3[i].numpy(), s3[i].numpy(), fnuz=target == "fnuz")
+        got = convert(q3[i].numpy(), s3[i].numpy(), fnuz=target == "fnuz")
         assert got is not None
         got_q, got_s = got
         np.testing.assert_array_equal(got_q, want_q[i].numpy())
         np.testing.assert_array_equal(got_s.view(np.uint32), want_s[i].numpy().view(np.uint32))
+
+
+def every_scale() -> tuple[torch.Tensor, torch.Tensor]:
+    """Random E8M0 bytes over their whole range in every tile (codes below 2.0 keep even 2**127 finite)."""
+    q, s = random_mx((2, 300, 512), lo=0, hi=255, seed=9)
+    return q & 0xBF, s
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -65,12 +72,43 @@ def assert_like_reference(q: torch.Tensor, s: torch.Tensor, target: str) -> None
 def test_matches_reference(case, target):
     if case == "random":
         q, s = random_mx((2, 257, 416), seed=3)
-    elif case == "random, every scale":  # (codes below 2.0 keep even 2**127 finite)
-        q, s = random_mx((2, 300, 512), lo=0, hi=255, seed=9)
-        q &= 0xBF
+    elif case == "random, every scale":
+        q, s = every_scale()
     else:
         q, s = AWKWARD[case]
     assert_like_reference(q, s, target)
+
+
+def test_amax_rounding_is_torchs_cast():
+    """round_to_e4m3fn against torch's float32 -> e4m3fn cast: every code, every midpoint, one ulp either side of
+    each, random values over [0, 448], random subnormal-range and tiny float32s."""
+    codes = torch.arange(0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+    exact = torch.cat([codes, (codes[:-1] + codes[1:]) / 2]).to(torch.float32)
+    bits = exact.view(torch.int32)
+    around = torch.cat([exact, (bits - 1).clamp(min=0).view(torch.float32), (bits + 1).view(torch.float32)])
+    gen = torch.Generator().manual_seed(1)
+    x = torch.cat([around, torch.rand(200_000, generator=gen) * 448, torch.rand(50_000, generator=gen) * 2.0**-5,
+                   torch.randint(0, 1 << 23, (20_000,), generator=gen, dtype=torch.int32).view(torch.float32)])
+    x = x[x <= 448]
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(numpy_exact.round_to_e4m3fn(x.numpy()), want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", ["random", *AWKWARD])
+def test_amax_matches_reference(case, target):
+    q, s = random_mx((2, 257, 416), seed=3) if case == "random" else AWKWARD[case]
+    assert_like_reference(q, s, target, "amax")
+
+
+def test_amax_leaves_tiles_of_too_many_scales_to_the_reference(monkeypatch):
+    """Tiles whose E8M0 bytes span their whole range want more tables than they have codes: refused (None), and the
+    caller converts with the reference. Allowed that many tables, the lookups give the reference's bytes there too."""
+    q, s = every_scale()
+    assert numpy_exact.convert_amax(q[0].numpy(), s[0].numpy(), fnuz=False) is None
+    monkeypatch.setattr(numpy_exact, "_AMAX_TABLE_BYTES", 1 << 30)
+    for target in TARGETS:
+        assert_like_reference(q, s, target, "amax")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -129,10 +167,12 @@ def test_in_place():
 
 
 @pytest.mark.parametrize("case", list(invalid_cases()))
-def test_invalid_values_are_refused(case):
+@pytest.mark.parametrize("mode", ["exact", "amax"])
+def test_invalid_values_are_refused(case, mode):
     q, s, _ = invalid_cases()[case]
-    results = [convert_exact(q[i].numpy(), s[i].numpy(), fnuz=True) for i in range(q.shape[0])]
+    convert = convert_exact if mode == "exact" else numpy_exact.convert_amax
+    results = [convert(q[i].numpy(), s[i].numpy(), fnuz=True) for i in range(q.shape[0])]
     assert any(r is None for r in results)
     valid = [i for i, r in enumerate(results) if r is not None]
     for i in valid:  # (the other matrix of the case is valid, and converts like the reference)
-        assert_like_reference(q[i], s[i], "fnuz")
+        assert_like_reference(q[i], s[i], "fnuz", mode)

@@ -1,5 +1,5 @@
-"""The exact scale mode in NumPy, without torch: what the CPU path converts with, and a head start while torch is
-imported.
+"""The conversion in NumPy, without torch: what the CPU path converts with (both scale modes), and a head start
+while torch is imported (the exact mode).
 
 In the exact mode a tile's scale is a power of two, ``2**E``, so an element's converted code depends only on its
 code ``q`` and on ``d = s - 127 - E`` (its 32-block's E8M0 byte ``s`` against its tile's exponent): it is
@@ -14,7 +14,11 @@ Bit for bit the reference's conversion (:func:`transformd.reference.convert_refe
   its largest code at least ``2**-9``); ``d <= -19`` leaves every code below ``2**-10`` (a signed zero); an
   all-zero block maps to signed zeros at any ``d``. So rows for ``d`` in [-19, 17] cover every input.
 
-``tests/test_numpy_exact.py`` checks the table against torch's own cast and the conversion against the reference.
+The amax mode (:func:`convert_amax`) divides by a tile scale that is no power of two, so its tables are per tile:
+one per E8M0 byte the tile's blocks have, each entry the IEEE float32 quotient rounded as torch casts.
+
+``tests/test_numpy_exact.py`` checks the tables and the rounding against torch's own cast and the conversions against
+the reference.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from .formats import E8M0_BIAS, E8M0_NAN, MX_BLOCK, TILE, tile_grid
+from .formats import E4M3FN_MAX, E8M0_BIAS, E8M0_NAN, MX_BLOCK, TILE, tile_grid
 
 #: Shifts ``d`` that have a row in the table (smaller ones take the first row, larger ones the last).
 D_MIN, D_MAX = -19, 17
@@ -34,6 +38,8 @@ D_MIN, D_MAX = -19, 17
 _INDEX_BYTES = 1 << 20
 #: Bytes of codes whose block maxima are taken at once (:func:`block_maxima`; fastest of 64 KiB to 1 MiB).
 _MAX_BYTES = 1 << 18
+#: Table bytes :func:`convert_amax` makes for a matrix beyond four per code at the most.
+_AMAX_TABLE_BYTES = 1 << 16
 
 
 def tile_bands(shape: Sequence[int], most_bytes: int) -> Iterator[tuple[int, int, int]]:
@@ -128,6 +134,38 @@ def block_maxima(codes: np.ndarray) -> np.ndarray:
     return out.reshape(n, k // MX_BLOCK)
 
 
+def _tile_amax(codes: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
+    """The largest magnitude of each 128x128 tile (float64, exact: float32's value), or None for an invalid value
+    (a NaN code, an E8M0 NaN byte, a value not finite in float32)."""
+    n, k = codes.shape
+    biggest = block_maxima(codes)
+    if (biggest == 0x7F).any() or (scales == E8M0_NAN).any():
+        return None
+    block_max = _magnitudes()[biggest] * _powers()[scales]  # exact in float64
+    if (block_max >= 2.0**128).any():  # not finite in float32
+        return None
+    by_rows = np.maximum.reduceat(block_max, np.arange(0, n, TILE), axis=0)  # (a partial tile: the rows it has)
+    return np.maximum.reduceat(by_rows, np.arange(0, k // MX_BLOCK, TILE // MX_BLOCK), axis=1)
+
+
+def _per_block(per_tile: np.ndarray, n: int, groups: int) -> np.ndarray:
+    """[tiles along N, tiles along K] -> each 32-block's tile's value, [N, K/32]."""
+    return np.repeat(np.repeat(per_tile, TILE, axis=0)[:n], TILE // MX_BLOCK, axis=1)[:, :groups]
+
+
+def _look_up(lookup: np.ndarray, first: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
+    """``out[r, c] = lookup[first[r, c // 32] + codes[r, c]]`` (``first``: multiples of 256, one per 32-block)."""
+    n, k = codes.shape
+    groups = k // MX_BLOCK
+    blocks, converted, first = codes.reshape(n, groups, MX_BLOCK), out.reshape(n, groups, MX_BLOCK), first[:, :, None]
+    step = max(1, _INDEX_BYTES // (first.itemsize * k))  # rows whose indices stay in the core's cache
+    index = np.empty((min(step, n), groups, MX_BLOCK), dtype=first.dtype)
+    for r in range(0, n, step):
+        part = index[: min(step, n - r)]
+        np.bitwise_or(first[r : r + step], blocks[r : r + step], out=part)
+        np.take(lookup, part, out=converted[r : r + step], mode="wrap")  # (in range: never wraps; faster than clip)
+
+
 def convert_exact(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.ndarray | None = None
                   ) -> tuple[np.ndarray, np.ndarray] | None:
     """Convert an MXFP8 matrix in the exact scale mode: uint8 ``codes`` [N, K] (K a multiple of 32) and their E8M0
@@ -144,27 +182,66 @@ def convert_exact(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.
         out = np.empty((n, k), dtype=np.uint8)
     if not (n and groups):
         return out, np.empty(tile_grid(n, k), dtype=np.float32)
-    biggest = block_maxima(codes)
-    if (biggest == 0x7F).any() or (scales == E8M0_NAN).any():
+    amax = _tile_amax(codes, scales)
+    if amax is None:
         return None
-    block_max = _magnitudes()[biggest] * _powers()[scales]  # exact in float64
-    if (block_max >= 2.0**128).any():  # not finite in float32
-        return None
-    per_tile = TILE // MX_BLOCK
-    by_rows = np.maximum.reduceat(block_max, np.arange(0, n, TILE), axis=0)  # (a partial tile: the rows it has)
-    amax = np.maximum.reduceat(by_rows, np.arange(0, groups, per_tile), axis=1)
     mant, exp = np.frexp(amax)  # amax = mant * 2**exp; 448 * 2**E = 0.875 * 2**(E + 9)
     e = np.where(amax == 0, 0, np.where(mant <= 0.875, exp - 9, exp - 8)).astype(np.int16)
     scale_inv = np.ldexp(np.float64(2.0) if fnuz else np.float64(1.0), e).astype(np.float32)
-    e_of_block = np.repeat(np.repeat(e, TILE, axis=0)[:n], per_tile, axis=1)[:, :groups]
-    d = scales.astype(np.int16) - (E8M0_BIAS + D_MIN) - e_of_block
-    row = np.left_shift(np.clip(d, 0, D_MAX - D_MIN).astype(np.uint16), 8)[:, :, None]
-    lookup = table(fnuz).reshape(-1)
-    blocks, converted = codes.reshape(n, groups, MX_BLOCK), out.reshape(n, groups, MX_BLOCK)
-    step = max(1, _INDEX_BYTES // (2 * k))  # rows whose uint16 indices stay in the core's cache
-    index = np.empty((min(step, n), groups, MX_BLOCK), dtype=np.uint16)
-    for r in range(0, n, step):
-        part = index[: min(step, n - r)]
-        np.bitwise_or(row[r : r + step], blocks[r : r + step], out=part)
-        np.take(lookup, part, out=converted[r : r + step], mode="wrap")  # (in range: never wraps; faster than clip)
+    d = scales.astype(np.int16) - (E8M0_BIAS + D_MIN) - _per_block(e, n, groups)
+    _look_up(table(fnuz).reshape(-1), np.left_shift(np.clip(d, 0, D_MAX - D_MIN).astype(np.uint16), 8), codes, out)
     return out, scale_inv
+
+
+def round_to_e4m3fn(a: np.ndarray) -> np.ndarray:
+    """float32 magnitudes ``a`` in [0, 448] -> their e4m3fn codes (0..0x7E), rounded to nearest even as torch casts."""
+    bits = a.view(np.uint32).astype(np.int64)
+    rounded = bits + 0x7FFFF + ((bits >> 20) & 1)  # to 3 significand bits, ties to even (a carry bumps the exponent)
+    normal = (rounded >> 20) - ((127 - 7) << 3)  # float32's exponent and 3 bits -> e4m3fn's (bias 7)
+    subnormal = np.rint(a * np.float32(512))  # below 2**-6: a multiple of 2**-9, 0..8 (exact product)
+    return np.where(a < np.float32(2.0**-6), subnormal, normal).astype(np.uint8)
+
+
+def convert_amax(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`convert_exact` in the amax scale mode: each tile's scale is float32 ``amax / 448`` (IEEE division, as
+    the reference), and each code ``e4m3fn(value / scale)``. That depends on the code, its block's E8M0 byte and its
+    tile's scale, so each tile gets one table per E8M0 byte between its lowest and its highest (the value of each
+    magnitude code, exact in float32, divided by the scale in float32 and rounded by :func:`round_to_e4m3fn`), and
+    converting is a lookup per element as in the exact mode.
+
+    None also when the tables would outnumber the codes (tiles whose E8M0 bytes span very many values): the
+    caller converts that weight with the reference.
+    """
+    n, k = codes.shape
+    groups = k // MX_BLOCK
+    if out is None:
+        out = np.empty((n, k), dtype=np.uint8)
+    if not (n and groups):
+        return out, np.empty(tile_grid(n, k), dtype=np.float32)
+    amax = _tile_amax(codes, scales)
+    if amax is None:
+        return None
+    amax = amax.astype(np.float32)  # (exact)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(amax == 0, np.float32(1.0), amax / np.float32(E4M3FN_MAX))
+    tiles_n, tiles_k = scale.shape
+    per_tile = TILE // MX_BLOCK
+    lowest = np.minimum.reduceat(np.minimum.reduceat(scales, np.arange(0, n, TILE), axis=0),
+                                 np.arange(0, groups, per_tile), axis=1).astype(np.int32)
+    above = scales.astype(np.int32) - _per_block(lowest, n, groups)  # each block's table among its tile's
+    width = int(above.max()) + 1
+    if tiles_n * tiles_k * width * 256 > _AMAX_TABLE_BYTES + 4 * n * k:
+        return None
+    exps = np.minimum(lowest[:, :, None] + np.arange(width), E8M0_NAN - 1)  # (past a tile's highest: not used)
+    with np.errstate(over="ignore"):  # (tables no block uses may overflow; the used ones are at most ~448)
+        values = _magnitudes().astype(np.float32) * _powers().astype(np.float32)[exps][..., None]
+        quotients = np.minimum(values / scale[:, :, None, None], np.float32(E4M3FN_MAX))
+    magnitudes = round_to_e4m3fn(quotients)
+    tables = np.concatenate([magnitudes, magnitudes | 0x80], axis=-1)  # [tiles_n, tiles_k, width, 256]
+    if fnuz:
+        tables[tables == 0x80] = 0
+        scale = scale * np.float32(2.0)
+    tile = _per_block(np.arange(tiles_n * tiles_k).reshape(tiles_n, tiles_k), n, groups)
+    _look_up(tables.reshape(-1), ((tile * width + above) << 8).astype(np.uint32), codes, out)
+    return out, scale

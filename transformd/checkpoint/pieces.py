@@ -16,7 +16,7 @@ import torch
 from ..convert import convert_weight
 from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target
 from ..kernels import GroupMemberError, PackedWeight, convert_packed
-from ..numpy_exact import convert_exact, tile_bands, usable_cores
+from ..numpy_exact import convert_amax, convert_exact, tile_bands, usable_cores
 from .plan import MxPair
 
 #: Slots of each pool (input pieces, converted pieces) that the budget must hold at the least.
@@ -24,7 +24,7 @@ MIN_SLOTS = 3
 #: Slots of each pool at the most: enough read-ahead and write-behind for a disk; a slot is as large as the
 #: largest piece, so more would mostly hold smaller pieces in oversized buffers.
 MAX_SLOTS = 16
-#: Host bytes the PyTorch reference (the CPU path's amax mode) needs while it converts a piece, per code byte of the
+#: Host bytes the PyTorch reference (the CPU path's fallback) needs while it converts a piece, per code byte of the
 #: piece: float32 decode, tile maxima, the quotient, the outputs (measured 12-14).
 CPU_WORK_FACTOR = 16
 #: Code bytes one CPU thread converts at once in the exact mode (a band of whole 128-row tiles of one expert); its
@@ -149,28 +149,26 @@ def align(n: int) -> int:
 
 
 class CpuConverter:
-    """CPU: the exact scale mode by NumPy table lookups (:func:`transformd.numpy_exact.convert_exact`, bit for bit
-    the reference) on a pool of threads, one band of whole 128-row tiles of one expert each; the amax mode, an empty
-    weight and any weight the lookups refuse (an invalid value) through the PyTorch reference
-    (:func:`transformd.convert_weight`), whose error names the value. 0.5 GiB took 1.43-1.54 s on the 2-core development
-    machine against 2.93-3.73 s with the reference (``benchmarks/results/convert_bench_cpu_numpy_exact.txt``)."""
+    """CPU: NumPy table lookups (:func:`transformd.numpy_exact.convert_exact` and ``convert_amax``, bit for bit the
+    reference) on a pool of threads, one band of whole 128-row tiles of one expert each; an empty weight and any
+    weight the lookups refuse (an invalid value, or amax tables that would outnumber its codes) through the PyTorch
+    reference (:func:`transformd.convert_weight`), whose error names the value. In the exact mode 0.5 GiB took
+    1.43-1.54 s on the 2-core development machine against 2.93-3.73 s with the reference
+    (``benchmarks/results/convert_bench_cpu_numpy_exact.txt``)."""
 
     def __init__(self, target: Target, scale_mode: ScaleMode, threads: int | None = None):
         self.target, self.scale_mode = target, scale_mode
-        self._pool = None
-        if scale_mode is ScaleMode.EXACT:
-            self._pool = concurrent.futures.ThreadPoolExecutor(threads or usable_cores(),
-                                                               thread_name_prefix="transformd-cpu-convert")
+        self._convert = convert_exact if scale_mode is ScaleMode.EXACT else convert_amax
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads or usable_cores(),
+                                                           thread_name_prefix="transformd-cpu-convert")
 
     def __call__(self, slot: torch.Tensor, out: torch.Tensor, pieces: list[PackedWeight]) -> list[torch.Tensor]:
-        if self._pool is None:
-            return [self._reference(slot, out, piece, i) for i, piece in enumerate(pieces)]
         fnuz = self.target is Target.FNUZ
         source, dest = slot.numpy(), out.numpy()
         bands: list[list[concurrent.futures.Future]] = []
         try:
             for piece in pieces:
-                bands.append([self._pool.submit(convert_exact, codes, scales, fnuz=fnuz, out=converted)
+                bands.append([self._pool.submit(self._convert, codes, scales, fnuz=fnuz, out=converted)
                               for codes, scales, converted in _bands(piece, source, dest)])
             scale_invs = []
             for i, (piece, futures) in enumerate(zip(pieces, bands)):
@@ -195,8 +193,7 @@ class CpuConverter:
         return scale_inv
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
+        self._pool.shutdown()
 
 
 def _bands(piece: PackedWeight, source: np.ndarray, dest: np.ndarray
