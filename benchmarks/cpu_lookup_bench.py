@@ -1,10 +1,10 @@
-"""The CPU's exact-mode conversion, one weight at a time: NumPy table lookups (``transformd.numpy_exact``) against
-the PyTorch reference, on the speed benchmarks' shapes, in one process, alternated, and checked byte for byte.
+"""The CPU's conversion, one weight at a time, in both scale modes: NumPy table lookups (``transformd.numpy_exact``)
+against the PyTorch reference, on the speed benchmarks' shapes, in one process, alternated, and checked byte for byte.
 
-Columns: ``convert_exact`` alone on one thread; ``convert_weight(device="cpu")``, the package's tensor-level CPU path
-with its validation (the reference at 8e67383); ``convert_reference`` itself. Best
-of ``--repeat`` runs each (the reference fewer: ``--reference-repeat``), input codes' GiB/s, and the reference's time
-over the others'. No GPU needed. From the repository's root::
+Columns: ``convert_exact`` (``convert_amax``) alone on one thread; ``convert_weight(device="cpu")``, the package's
+tensor-level CPU path with its validation (the reference at 8e67383 in both modes); ``convert_reference`` itself.
+Best of ``--repeat`` runs each (the reference fewer: ``--reference-repeat``), input codes' GiB/s, and the
+reference's time over the others'. No GPU needed. From the repository's root::
 
     .venv/bin/python benchmarks/cpu_lookup_bench.py            # every shape (the dense one: ~10 s of reference)
     .venv/bin/python benchmarks/cpu_lookup_bench.py --quick    # without the dense 8192x28672
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformd import convert_weight  # noqa: E402
-from transformd.numpy_exact import convert_exact  # noqa: E402
+from transformd.numpy_exact import convert_amax, convert_exact  # noqa: E402
 from transformd.reference import convert_reference  # noqa: E402
 
 #: (name, shape): per-expert 2-D weights as checkpoints store them, a stack, and a dense weight.
@@ -55,10 +55,11 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
-def lookups(q: torch.Tensor, s: torch.Tensor) -> None:
+def lookups(q: torch.Tensor, s: torch.Tensor, mode: str) -> None:
+    convert = convert_exact if mode == "exact" else convert_amax
     q3, s3 = q.numpy().reshape(-1, *q.shape[-2:]), s.numpy().reshape(-1, *s.shape[-2:])
     for e in range(q3.shape[0]):
-        convert_exact(q3[e], s3[e], fnuz=False)
+        assert convert(q3[e], s3[e], fnuz=False) is not None
 
 
 def main() -> None:
@@ -68,26 +69,33 @@ def main() -> None:
     ap.add_argument("--reference-repeat", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)  # (the reference on one thread, as the lookups: per-core speed)
-    print(f"CPU exact mode, one thread; {os.cpu_count()} CPUs here; torch {torch.__version__}, NumPy {np.__version__}")
-    print(f"{'shape':30s} {'convert_exact':>15s} {'convert_weight':>15s} {'reference':>15s}  reference / lookups")
-    for i, (name, shape) in enumerate(SHAPES):
-        if args.quick and name.startswith("dense"):
-            continue
-        q, s = sample(shape, seed=i)
-        gib = q.numel() / 2**30
-        want_q, want_s = convert_reference(q, s, "ocp", "exact")
-        got_q, got_s = convert_weight(q, s, "ocp", "exact", device="cpu")
-        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), name
-        assert torch.equal(got_s.view(torch.int32), want_s.view(torch.int32)), name
-        t_lookup = best(lambda: lookups(q, s), args.repeat)
-        t_weight = best(lambda: convert_weight(q, s, "ocp", "exact", device="cpu"), args.repeat)
-        t_ref = best(lambda: convert_reference(q, s, "ocp", "exact"), args.reference_repeat)
+    print(f"CPU conversion, one thread; {os.cpu_count()} CPUs here; torch {torch.__version__}, NumPy {np.__version__}")
+    for mode in ("exact", "amax"):
+        print(f"\n{mode + ' mode':30s} {'convert_' + mode:>15s} {'convert_weight':>15s} {'reference':>15s}  "
+              "reference / lookups")
+        for i, (name, shape) in enumerate(SHAPES):
+            if args.quick and name.startswith("dense"):
+                continue
+            q, s = sample(shape, seed=i)
+            gib = q.numel() / 2**30
+            want_q, want_s = convert_reference(q, s, "ocp", mode)
+            got_q, got_s = convert_weight(q, s, "ocp", mode, device="cpu")
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), name
+            assert torch.equal(got_s.view(torch.int32), want_s.view(torch.int32)), name
+            q3, s3 = q.numpy().reshape(-1, *shape[-2:]), s.numpy().reshape(-1, *s.shape[-2:])
+            convert = convert_exact if mode == "exact" else convert_amax
+            for e in range(q3.shape[0]):  # (the lookups' own bytes, expert by expert)
+                got = convert(q3[e], s3[e], fnuz=False)
+                assert got is not None and np.array_equal(got[0], want_q.numpy().reshape(q3.shape)[e]), name
+            t_lookup = best(lambda: lookups(q, s, mode), args.repeat)
+            t_weight = best(lambda: convert_weight(q, s, "ocp", mode, device="cpu"), args.repeat)
+            t_ref = best(lambda: convert_reference(q, s, "ocp", mode), args.reference_repeat)
 
-        def cell(t: float) -> str:
-            return f"{t * 1e3:7.1f} ms {gib / t:4.2f}"
+            def cell(t: float) -> str:
+                return f"{t * 1e3:7.1f} ms {gib / t:4.2f}"
 
-        print(f"{name:30s} {cell(t_lookup):>15s} {cell(t_weight):>15s} {cell(t_ref):>15s}  "
-              f"{t_ref / t_lookup:5.1f}x / {t_ref / t_weight:5.1f}x")
+            print(f"{name:30s} {cell(t_lookup):>15s} {cell(t_weight):>15s} {cell(t_ref):>15s}  "
+                  f"{t_ref / t_lookup:5.1f}x / {t_ref / t_weight:5.1f}x")
     print("each cell: best time, GiB/s of input codes; every output checked byte for byte against the reference")
 
 
