@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -176,21 +176,36 @@ def convert_exact(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.
     None when a value is invalid (a NaN code, an E8M0 NaN byte, a value not finite in float32): the caller leaves
     that weight to the torch path, whose error names it.
     """
+    return _convert(codes, scales, out, functools.partial(_exact_tables, fnuz=fnuz))
+
+
+def _convert(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None,
+             tables: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray] | None]
+             ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Either mode: ``tables(amax, scales)`` gives (the lookup table, each block's first index in it, scale_inv)
+    from the tiles' amax, or None."""
     n, k = codes.shape
-    groups = k // MX_BLOCK
     if out is None:
         out = np.empty((n, k), dtype=np.uint8)
-    if not (n and groups):
+    if not (n and k // MX_BLOCK):
         return out, np.empty(tile_grid(n, k), dtype=np.float32)
     amax = _tile_amax(codes, scales)
-    if amax is None:
+    made = None if amax is None else tables(amax, scales)
+    if made is None:
         return None
+    lookup, first, scale_inv = made
+    _look_up(lookup, first, codes, out)
+    return out, scale_inv
+
+
+def _exact_tables(amax: np.ndarray, scales: np.ndarray, *, fnuz: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The exact mode's: one table row per shift ``d`` (:func:`table`), each block's row from its tile's exponent."""
     mant, exp = np.frexp(amax)  # amax = mant * 2**exp; 448 * 2**E = 0.875 * 2**(E + 9)
     e = np.where(amax == 0, 0, np.where(mant <= 0.875, exp - 9, exp - 8)).astype(np.int16)
     scale_inv = np.ldexp(np.float64(2.0) if fnuz else np.float64(1.0), e).astype(np.float32)
-    d = scales.astype(np.int16) - (E8M0_BIAS + D_MIN) - _per_block(e, n, groups)
-    _look_up(table(fnuz).reshape(-1), np.left_shift(np.clip(d, 0, D_MAX - D_MIN).astype(np.uint16), 8), codes, out)
-    return out, scale_inv
+    d = scales.astype(np.int16) - (E8M0_BIAS + D_MIN) - _per_block(e, *scales.shape)
+    return table(fnuz).reshape(-1), np.left_shift(np.clip(d, 0, D_MAX - D_MIN).astype(np.uint16), 8), scale_inv
 
 
 def round_to_e4m3fn(a: np.ndarray) -> np.ndarray:
@@ -213,25 +228,23 @@ def convert_amax(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.n
     None also when the tables would outnumber the codes (tiles whose E8M0 bytes span very many values): the
     caller converts that weight with the reference.
     """
-    n, k = codes.shape
-    groups = k // MX_BLOCK
-    if out is None:
-        out = np.empty((n, k), dtype=np.uint8)
-    if not (n and groups):
-        return out, np.empty(tile_grid(n, k), dtype=np.float32)
-    amax = _tile_amax(codes, scales)
-    if amax is None:
-        return None
+    return _convert(codes, scales, out, functools.partial(_amax_tables, fnuz=fnuz))
+
+
+def _amax_tables(amax: np.ndarray, scales: np.ndarray, *, fnuz: bool
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The amax mode's: a table per tile and E8M0 byte (:func:`convert_amax`), or None when they would outnumber
+    the codes."""
+    n, groups = scales.shape
     amax = amax.astype(np.float32)  # (exact)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(amax == 0, np.float32(1.0), amax / np.float32(E4M3FN_MAX))
     tiles_n, tiles_k = scale.shape
-    per_tile = TILE // MX_BLOCK
     lowest = np.minimum.reduceat(np.minimum.reduceat(scales, np.arange(0, n, TILE), axis=0),
-                                 np.arange(0, groups, per_tile), axis=1).astype(np.int32)
+                                 np.arange(0, groups, TILE // MX_BLOCK), axis=1).astype(np.int32)
     above = scales.astype(np.int32) - _per_block(lowest, n, groups)  # each block's table among its tile's
     width = int(above.max()) + 1
-    if tiles_n * tiles_k * width * 256 > _AMAX_TABLE_BYTES + 4 * n * k:
+    if tiles_n * tiles_k * width * 256 > _AMAX_TABLE_BYTES + 4 * n * groups * MX_BLOCK:
         return None
     exps = np.minimum(lowest[:, :, None] + np.arange(width), E8M0_NAN - 1)  # (past a tile's highest: not used)
     with np.errstate(over="ignore"):  # (tables no block uses may overflow; the used ones are at most ~448)
@@ -243,5 +256,4 @@ def convert_amax(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.n
         tables[tables == 0x80] = 0
         scale = scale * np.float32(2.0)
     tile = _per_block(np.arange(tiles_n * tiles_k).reshape(tiles_n, tiles_k), n, groups)
-    _look_up(tables.reshape(-1), ((tile * width + above) << 8).astype(np.uint32), codes, out)
-    return out, scale
+    return tables.reshape(-1), ((tile * width + above) << 8).astype(np.uint32), scale
