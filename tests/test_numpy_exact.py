@@ -11,7 +11,7 @@ from transformd import numpy_exact
 from transformd.numpy_exact import D_MAX, D_MIN, convert_exact, e4m3fn_code, e4m3fn_value, table
 from transformd.reference import convert_reference
 
-from .support.kernel_cases import AWKWARD, invalid_cases, random_mx
+from .support.kernel_cases import AWKWARD, every_scale_mx, invalid_cases, random_mx
 
 TARGETS = ["fnuz", "ocp"]
 ALL_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -52,7 +52,7 @@ def assert_like_reference(q: torch.Tensor, s: torch.Tensor, target: str, mode: s
     want_q, want_s = convert_reference(q, s, target, mode)
     q3, s3 = (q, s) if q.dim() == 3 else (q[None], s[None])
     want_q, want_s = (want_q, want_s) if q.dim() == 3 else (want_q[None], want_s[None])
-    convert = convert_exact if mode == "exact" else numpy_exact.convert_amax
+    convert = numpy_exact.converter(mode)
     for i in range(q3.shape[0]):
         got = convert(q3[i].numpy(), s3[i].numpy(), fnuz=target == "fnuz")
         assert got is not None
@@ -61,19 +61,13 @@ def assert_like_reference(q: torch.Tensor, s: torch.Tensor, target: str, mode: s
         np.testing.assert_array_equal(got_s.view(np.uint32), want_s[i].numpy().view(np.uint32))
 
 
-def every_scale() -> tuple[torch.Tensor, torch.Tensor]:
-    """Random E8M0 bytes over their whole range in every tile (codes below 2.0 keep even 2**127 finite)."""
-    q, s = random_mx((2, 300, 512), lo=0, hi=255, seed=9)
-    return q & 0xBF, s
-
-
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("case", ["random", "random, every scale", *AWKWARD])
 def test_matches_reference(case, target):
     if case == "random":
         q, s = random_mx((2, 257, 416), seed=3)
     elif case == "random, every scale":
-        q, s = every_scale()
+        q, s = every_scale_mx((2, 300, 512))
     else:
         q, s = AWKWARD[case]
     assert_like_reference(q, s, target)
@@ -104,7 +98,7 @@ def test_amax_matches_reference(case, target):
 def test_amax_leaves_tiles_of_too_many_scales_to_the_reference(monkeypatch):
     """Tiles whose E8M0 bytes span their whole range want more tables than they have codes: refused (None), and the
     caller converts with the reference. Allowed that many tables, the lookups give the reference's bytes there too."""
-    q, s = every_scale()
+    q, s = every_scale_mx((2, 300, 512))
     assert numpy_exact.convert_amax(q[0].numpy(), s[0].numpy(), fnuz=False) is None
     monkeypatch.setattr(numpy_exact, "_AMAX_TABLE_BYTES", 1 << 30)
     for target in TARGETS:
@@ -170,7 +164,7 @@ def test_in_place():
 @pytest.mark.parametrize("mode", ["exact", "amax"])
 def test_invalid_values_are_refused(case, mode):
     q, s, _ = invalid_cases()[case]
-    convert = convert_exact if mode == "exact" else numpy_exact.convert_amax
+    convert = numpy_exact.converter(mode)
     results = [convert(q[i].numpy(), s[i].numpy(), fnuz=True) for i in range(q.shape[0])]
     assert any(r is None for r in results)
     valid = [i for i, r in enumerate(results) if r is not None]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .formats import E4M3FN_MAX, E8M0_BIAS, E8M0_NAN, MX_BLOCK, TILE, tile_grid
+from .formats import E4M3FN_MAX, E8M0_BIAS, E8M0_NAN, MX_BLOCK, TILE, ScaleMode, tile_grid
 
 #: Shifts ``d`` that have a row in the table (smaller ones take the first row, larger ones the last).
 D_MIN, D_MAX = -19, 17
@@ -137,19 +137,25 @@ def block_maxima(codes: np.ndarray) -> np.ndarray:
 def _tile_amax(codes: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
     """The largest magnitude of each 128x128 tile (float64, exact: float32's value), or None for an invalid value
     (a NaN code, an E8M0 NaN byte, a value not finite in float32)."""
-    n, k = codes.shape
     biggest = block_maxima(codes)
     if (biggest == 0x7F).any() or (scales == E8M0_NAN).any():
         return None
     block_max = _magnitudes()[biggest] * _powers()[scales]  # exact in float64
     if (block_max >= 2.0**128).any():  # not finite in float32
         return None
-    by_rows = np.maximum.reduceat(block_max, np.arange(0, n, TILE), axis=0)  # (a partial tile: the rows it has)
-    return np.maximum.reduceat(by_rows, np.arange(0, k // MX_BLOCK, TILE // MX_BLOCK), axis=1)
+    return _per_tile(np.maximum, block_max)
+
+
+def _per_tile(reduce: np.ufunc, per_block: np.ndarray) -> np.ndarray:
+    """[N, K/32] per-block values -> ``reduce`` over each 128x128 tile's blocks, [tiles along N, tiles along K] (a
+    partial tile: the blocks it has)."""
+    n, groups = per_block.shape
+    by_rows = reduce.reduceat(per_block, np.arange(0, n, TILE), axis=0)
+    return reduce.reduceat(by_rows, np.arange(0, groups, TILE // MX_BLOCK), axis=1)
 
 
 def _per_block(per_tile: np.ndarray, n: int, groups: int) -> np.ndarray:
-    """[tiles along N, tiles along K] -> each 32-block's tile's value, [N, K/32]."""
+    """[tiles along N, tiles along K] -> each 32-block's tile's value, [N, K/32] (:func:`_per_tile`'s inverse)."""
     return np.repeat(np.repeat(per_tile, TILE, axis=0)[:n], TILE // MX_BLOCK, axis=1)[:, :groups]
 
 
@@ -164,6 +170,11 @@ def _look_up(lookup: np.ndarray, first: np.ndarray, codes: np.ndarray, out: np.n
         part = index[: min(step, n - r)]
         np.bitwise_or(first[r : r + step], blocks[r : r + step], out=part)
         np.take(lookup, part, out=converted[r : r + step], mode="wrap")  # (in range: never wraps; faster than clip)
+
+
+def converter(scale_mode: ScaleMode | str) -> Callable[..., tuple[np.ndarray, np.ndarray] | None]:
+    """:func:`convert_exact` or :func:`convert_amax`, by scale mode."""
+    return convert_exact if ScaleMode(scale_mode) is ScaleMode.EXACT else convert_amax
 
 
 def convert_exact(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.ndarray | None = None
@@ -240,8 +251,7 @@ def _amax_tables(amax: np.ndarray, scales: np.ndarray, *, fnuz: bool
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(amax == 0, np.float32(1.0), amax / np.float32(E4M3FN_MAX))
     tiles_n, tiles_k = scale.shape
-    lowest = np.minimum.reduceat(np.minimum.reduceat(scales, np.arange(0, n, TILE), axis=0),
-                                 np.arange(0, groups, TILE // MX_BLOCK), axis=1).astype(np.int32)
+    lowest = _per_tile(np.minimum, scales).astype(np.int32)
     above = scales.astype(np.int32) - _per_block(lowest, n, groups)  # each block's table among its tile's
     width = int(above.max()) + 1
     if tiles_n * tiles_k * width * 256 > _AMAX_TABLE_BYTES + 4 * n * groups * MX_BLOCK:

@@ -16,7 +16,7 @@ import torch
 from ..convert import convert_weight
 from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target
 from ..kernels import GroupMemberError, PackedWeight, convert_packed
-from ..numpy_exact import convert_amax, convert_exact, tile_bands, usable_cores
+from ..numpy_exact import converter, tile_bands, usable_cores
 from .plan import MxPair
 
 #: Slots of each pool (input pieces, converted pieces) that the budget must hold at the least.
@@ -27,8 +27,8 @@ MAX_SLOTS = 16
 #: Host bytes the PyTorch reference (the CPU path's fallback) needs while it converts a piece, per code byte of the
 #: piece: float32 decode, tile maxima, the quotient, the outputs (measured 12-14).
 CPU_WORK_FACTOR = 16
-#: Code bytes one CPU thread converts at once in the exact mode (a band of whole 128-row tiles of one expert); its
-#: temporaries are about as large.
+#: Code bytes one CPU thread converts at once (a band of whole 128-row tiles of one expert); its temporaries are
+#: about as large.
 CPU_BAND_BYTES = 8 << 20
 #: Alignment of the scale bytes that follow the codes in a slot, and of each piece of a batch.
 SLOT_ALIGN = 256
@@ -158,7 +158,7 @@ class CpuConverter:
 
     def __init__(self, target: Target, scale_mode: ScaleMode, threads: int | None = None):
         self.target, self.scale_mode = target, scale_mode
-        self._convert = convert_exact if scale_mode is ScaleMode.EXACT else convert_amax
+        self._convert = converter(scale_mode)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads or usable_cores(),
                                                            thread_name_prefix="transformd-cpu-convert")
 
