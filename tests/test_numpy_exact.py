@@ -11,7 +11,7 @@ from transformd import numpy_exact
 from transformd.numpy_exact import D_MAX, D_MIN, convert_exact, e4m3fn_code, e4m3fn_value, table
 from transformd.reference import convert_reference
 
-from .support.kernel_cases import AWKWARD, every_scale_mx, invalid_cases, random_mx
+from .support.kernel_cases import AWKWARD, every_scale_mx, invalid_cases, random_mx, spread_row_mx
 
 TARGETS = ["fnuz", "ocp"]
 ALL_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -95,12 +95,63 @@ def test_amax_matches_reference(case, target):
     assert_like_reference(q, s, target, "amax")
 
 
-def test_amax_leaves_tiles_of_too_many_scales_to_the_reference(monkeypatch):
-    """Tiles whose E8M0 bytes span their whole range want more tables than they have codes: refused (None), and the
-    caller converts with the reference. Allowed that many tables, the lookups give the reference's bytes there too."""
-    q, s = every_scale_mx((2, 300, 512))
-    assert numpy_exact.convert_amax(q[0].numpy(), s[0].numpy(), fnuz=False) is None
+def zero_blocks_scaled_zero(shape, seed=5):
+    """Random data in which every third block is all zeros (signed) with E8M0 byte 0, as some quantizers write
+    them, and every fifth holds only tiny values (E8M0 bytes 0..20) that round to signed zeros in the amax mode."""
+    q, s = random_mx(shape, seed=seed)
+    blocks = q.view(*shape[:-1], shape[-1] // 32, 32)
+    blocks[..., ::3, :] &= 0x80
+    s[..., ::3] = 0
+    s[..., 1::5] = torch.randint(0, 21, s[..., 1::5].shape, generator=torch.Generator().manual_seed(seed),
+                                 dtype=torch.uint8)
+    return q, s
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", ["every scale", "zero blocks scaled 0"])
+def test_amax_lookups_take_spread_scales(case, target):
+    """E8M0 bytes over their whole range in every tile, or all-zero blocks with byte 0 beside ordinary ones: the
+    blocks far below their tile share the table of signed zeros, the others need at most 38 tables a tile, so the
+    lookups convert these too, as the reference does."""
+    q, s = every_scale_mx((2, 300, 512)) if case == "every scale" else zero_blocks_scaled_zero((2, 300, 512))
+    assert_like_reference(q, s, target, "amax")
+
+
+@pytest.mark.parametrize("case", ["every scale", "zero blocks scaled 0", "random"])
+def test_amax_lookups_memory_is_a_few_times_the_codes(case):
+    """The tables are computed a bounded number of entries at a time: the peak of what the lookups allocate (output,
+    indices, tables and temporaries) stays within 4x the codes, whatever the scales (it was 47x for bytes spanning
+    130 values in every tile)."""
+    import tracemalloc
+
+    make = {"every scale": every_scale_mx, "zero blocks scaled 0": zero_blocks_scaled_zero, "random": random_mx}
+    q, s = make[case]((1, 1024, 2048))
+    q, s = q[0].numpy(), s[0].numpy()
+    tracemalloc.start()
+    try:
+        assert numpy_exact.convert_amax(q, s, fnuz=False) is not None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 4 * q.nbytes, f"peak {peak / q.nbytes:.1f}x the codes"
+
+
+def test_amax_leaves_spread_scales_in_a_few_rows_to_the_reference(monkeypatch):
+    """One row of 128-wide tiles whose blocks' bytes span 11 values (:func:`spread_row_mx`). Refused (None): the
+    caller converts with the reference. Allowed that many tables, the lookups give the reference's bytes there
+    too."""
+    q, s = spread_row_mx()
+    assert numpy_exact.convert_amax(q.numpy(), s.numpy(), fnuz=False) is None
     monkeypatch.setattr(numpy_exact, "_AMAX_TABLE_BYTES", 1 << 30)
+    for target in TARGETS:
+        assert_like_reference(q, s, target, "amax")
+
+
+@pytest.mark.parametrize("entries", [1, 3000])
+def test_amax_tables_in_pieces_of_tiles(entries, monkeypatch):
+    """Tables computed one tile at a time, or a few tiles (the last piece partial), give the same bytes."""
+    monkeypatch.setattr(numpy_exact, "_AMAX_ENTRIES", entries)
+    q, s = every_scale_mx((1, 300, 640), seed=4)
     for target in TARGETS:
         assert_like_reference(q, s, target, "amax")
 

@@ -35,7 +35,7 @@ AWKWARD = {"hidden": 320, "moe_intermediate": 224, "head_dim": 64}
 
 from .support.checkpoints import SHARD_B, assert_converted, assert_converted_sample, default_shards, write_checkpoint
 from .support.kernel_cases import AWKWARD as AWKWARD_VALUES
-from .support.kernel_cases import every_scale_mx
+from .support.kernel_cases import spread_row_mx
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -433,10 +433,10 @@ def test_cpu_path_is_the_references_bytes_by_table_lookups_in_bands(tmp_path: Pa
     assert transformd_threads() == []
 
 
-def test_cpu_invalid_values_and_amax_tiles_of_too_many_scales_go_to_the_reference(tmp_path: Path,
-                                                                                    monkeypatch) -> None:
-    """A weight whose values the lookups refuse, and in the amax mode one whose tiles' E8M0 bytes span so many values
-    that its tables would outnumber its codes, are the PyTorch reference's: the bytes are the reference's, and an
+def test_cpu_invalid_values_and_amax_weights_of_too_many_tables_go_to_the_reference(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """A weight whose values the lookups refuse, and in the amax mode one whose tables would outnumber its codes
+    (a row of tiles with spread E8M0 bytes), are the PyTorch reference's: the bytes are the reference's, and an
     invalid value's error names the tensor and the file as it always did."""
     asked: list[str] = []
     real = pieces.convert_weight
@@ -447,9 +447,9 @@ def test_cpu_invalid_values_and_amax_tiles_of_too_many_scales_go_to_the_referenc
 
     monkeypatch.setattr(pieces, "convert_weight", recording)
     shards = default_shards()
-    q, s = every_scale_mx((300, 512))
-    shards[SHARD_B].update({"model.layers.0.mlp.every_scale.weight": q.view(torch.float8_e4m3fn),
-                            "model.layers.0.mlp.every_scale.weight_scale": s})
+    q, s = spread_row_mx()
+    shards[SHARD_B].update({"model.layers.0.mlp.spread.weight": q.view(torch.float8_e4m3fn),
+                            "model.layers.0.mlp.spread.weight_scale": s})
     src = write_checkpoint(tmp_path / "wide", shards)
     convert_checkpoint(src, tmp_path / "amax", scale_mode="amax", device="cpu")
     assert asked == ["amax"], "only the weight of too many scales goes to the reference"

@@ -1,5 +1,5 @@
-"""The conversion in NumPy, without torch: what the CPU path converts with (both scale modes), and a head start
-while torch is imported (the exact mode).
+"""The conversion in NumPy, without torch: what the CPU path and a head start while torch is imported convert with
+(both scale modes).
 
 In the exact mode a tile's scale is a power of two, ``2**E``, so an element's converted code depends only on its
 code ``q`` and on ``d = s - 127 - E`` (its 32-block's E8M0 byte ``s`` against its tile's exponent): it is
@@ -15,7 +15,8 @@ Bit for bit the reference's conversion (:func:`transformd.reference.convert_refe
   all-zero block maps to signed zeros at any ``d``. So rows for ``d`` in [-19, 17] cover every input.
 
 The amax mode (:func:`convert_amax`) divides by a tile scale that is no power of two, so its tables are per tile:
-one per E8M0 byte the tile's blocks have, each entry the IEEE float32 quotient rounded as torch casts.
+one per E8M0 byte the tile's blocks that matter have (at most 38), each entry the IEEE float32 quotient rounded as
+torch casts; the other blocks round to signed zeros whatever their codes.
 
 ``tests/test_numpy_exact.py`` checks the tables and the rounding against torch's own cast and the conversions against
 the reference.
@@ -40,6 +41,8 @@ _INDEX_BYTES = 1 << 20
 _MAX_BYTES = 1 << 18
 #: Table bytes :func:`convert_amax` makes for a matrix beyond four per code at the most.
 _AMAX_TABLE_BYTES = 1 << 16
+#: Table entries :func:`convert_amax` computes at once (their float32 and int64 temporaries: ~40 bytes each).
+_AMAX_ENTRIES = 1 << 16
 
 
 def tile_bands(shape: Sequence[int], most_bytes: int) -> Iterator[tuple[int, int, int]]:
@@ -134,16 +137,16 @@ def block_maxima(codes: np.ndarray) -> np.ndarray:
     return out.reshape(n, k // MX_BLOCK)
 
 
-def _tile_amax(codes: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
-    """The largest magnitude of each 128x128 tile (float64, exact: float32's value), or None for an invalid value
-    (a NaN code, an E8M0 NaN byte, a value not finite in float32)."""
+def _block_max(codes: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
+    """The largest magnitude of each 32-block (float64 [N, K/32], exact: float32's value), or None for an invalid
+    value (a NaN code, an E8M0 NaN byte, a value not finite in float32)."""
     biggest = block_maxima(codes)
     if (biggest == 0x7F).any() or (scales == E8M0_NAN).any():
         return None
     block_max = _magnitudes()[biggest] * _powers()[scales]  # exact in float64
     if (block_max >= 2.0**128).any():  # not finite in float32
         return None
-    return _per_tile(np.maximum, block_max)
+    return block_max
 
 
 def _per_tile(reduce: np.ufunc, per_block: np.ndarray) -> np.ndarray:
@@ -193,15 +196,15 @@ def convert_exact(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.
 def _convert(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None,
              tables: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray] | None]
              ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Either mode: ``tables(amax, scales)`` gives (the lookup table, each block's first index in it, scale_inv)
-    from the tiles' amax, or None."""
+    """Either mode: ``tables(amax, scales, block_max)`` gives (the lookup table, each block's first index in it,
+    scale_inv) from the tiles' and the blocks' largest magnitudes, or None."""
     n, k = codes.shape
     if out is None:
         out = np.empty((n, k), dtype=np.uint8)
     if not (n and k // MX_BLOCK):
         return out, np.empty(tile_grid(n, k), dtype=np.float32)
-    amax = _tile_amax(codes, scales)
-    made = None if amax is None else tables(amax, scales)
+    block_max = _block_max(codes, scales)
+    made = None if block_max is None else tables(_per_tile(np.maximum, block_max), scales, block_max)
     if made is None:
         return None
     lookup, first, scale_inv = made
@@ -209,7 +212,7 @@ def _convert(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None,
     return out, scale_inv
 
 
-def _exact_tables(amax: np.ndarray, scales: np.ndarray, *, fnuz: bool
+def _exact_tables(amax: np.ndarray, scales: np.ndarray, block_max: np.ndarray, *, fnuz: bool
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The exact mode's: one table row per shift ``d`` (:func:`table`), each block's row from its tile's exponent."""
     mant, exp = np.frexp(amax)  # amax = mant * 2**exp; 448 * 2**E = 0.875 * 2**(E + 9)
@@ -232,38 +235,57 @@ def convert_amax(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.n
                  ) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`convert_exact` in the amax scale mode: each tile's scale is float32 ``amax / 448`` (IEEE division, as
     the reference), and each code ``e4m3fn(value / scale)``. That depends on the code, its block's E8M0 byte and its
-    tile's scale, so each tile gets one table per E8M0 byte between its lowest and its highest (the value of each
-    magnitude code, exact in float32, divided by the scale in float32 and rounded by :func:`round_to_e4m3fn`), and
-    converting is a lookup per element as in the exact mode.
+    tile's scale, so each tile gets one table per E8M0 byte between the lowest and the highest of its blocks that
+    matter (the value of each magnitude code, exact in float32, divided by the scale in float32 and rounded by
+    :func:`round_to_e4m3fn`), and converting is a lookup per element as in the exact mode.
 
-    None also when the tables would outnumber the codes (tiles whose E8M0 bytes span very many values): the
-    caller converts that weight with the reference.
+    A block matters when its largest magnitude is above ``scale * 2**-10``; every other block (all-zero blocks,
+    and blocks so small against their tile that each quotient rounds to a signed zero) shares one table of signed
+    zeros. A block that matters has an E8M0 byte within 9 above and 28 below its tile's amax's exponent (its largest
+    code is at least ``2**-9`` and at most 448 times its power of two), so a tile has at most 38 tables: 9.5 KiB
+    against a full tile's 16 KiB of codes. The tables are computed :data:`_AMAX_ENTRIES` entries at a time.
+
+    None also when the tables would outnumber the codes by more than 4 to 1 beyond :data:`_AMAX_TABLE_BYTES` (only
+    matrices of a few rows and very spread scales): the caller converts that weight with the reference.
     """
     return _convert(codes, scales, out, functools.partial(_amax_tables, fnuz=fnuz))
 
 
-def _amax_tables(amax: np.ndarray, scales: np.ndarray, *, fnuz: bool
+def _amax_tables(amax: np.ndarray, scales: np.ndarray, block_max: np.ndarray, *, fnuz: bool
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The amax mode's: a table per tile and E8M0 byte (:func:`convert_amax`), or None when they would outnumber
-    the codes."""
+    """The amax mode's: the table of signed zeros, then a table per tile and E8M0 byte (:func:`convert_amax`), or
+    None when they would outnumber the codes."""
     n, groups = scales.shape
     amax = amax.astype(np.float32)  # (exact)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(amax == 0, np.float32(1.0), amax / np.float32(E4M3FN_MAX))
     tiles_n, tiles_k = scale.shape
-    lowest = _per_tile(np.minimum, scales).astype(np.int32)
-    above = scales.astype(np.int32) - _per_block(lowest, n, groups)  # each block's table among its tile's
-    width = int(above.max()) + 1
-    if tiles_n * tiles_k * width * 256 > _AMAX_TABLE_BYTES + 4 * n * groups * MX_BLOCK:
+    # (exact in float64: a quotient at most 2**-10 rounds to 2**-10 at most in float32, and that to zero, ties even)
+    matters = block_max > _per_block(scale.astype(np.float64) * 2.0**-10, n, groups)
+    byte = scales.astype(np.int32)
+    lowest = np.minimum(_per_tile(np.minimum, np.where(matters, byte, E8M0_NAN)), E8M0_NAN - 1)
+    above = byte - _per_block(lowest, n, groups)  # each block's table among its tile's
+    width = int(above.max(initial=-1, where=matters)) + 1
+    tiles = tiles_n * tiles_k
+    lookup = np.empty(256 * (1 + tiles * width), dtype=np.uint8)
+    if lookup.size - 256 > _AMAX_TABLE_BYTES + 4 * n * groups * MX_BLOCK:
         return None
-    exps = np.minimum(lowest[:, :, None] + np.arange(width), E8M0_NAN - 1)  # (past a tile's highest: not used)
-    with np.errstate(over="ignore"):  # (tables no block uses may overflow; the used ones are at most ~448)
-        values = _magnitudes().astype(np.float32) * _powers().astype(np.float32)[exps][..., None]
-        quotients = np.minimum(values / scale[:, :, None, None], np.float32(E4M3FN_MAX))
-    magnitudes = round_to_e4m3fn(quotients)
-    tables = np.concatenate([magnitudes, magnitudes | 0x80], axis=-1)  # [tiles_n, tiles_k, width, 256]
+    lookup[:256] = np.repeat(np.array([0, 0 if fnuz else 0x80], dtype=np.uint8), 128)  # the signed zeros
+    lowest, quotient_scale = lowest.reshape(-1), scale.reshape(-1, 1, 1)
+    step = max(1, _AMAX_ENTRIES // (128 * max(1, width)))  # tiles at a time
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        exps = np.minimum(lowest[t0:t1, None] + np.arange(width), E8M0_NAN - 1)  # (past a tile's highest: unused)
+        with np.errstate(over="ignore"):  # (tables no block uses may overflow; the used ones are at most ~448)
+            values = _magnitudes().astype(np.float32) * _powers().astype(np.float32)[exps][..., None]
+            quotients = np.minimum(values / quotient_scale[t0:t1], np.float32(E4M3FN_MAX))
+        magnitudes = round_to_e4m3fn(quotients)  # [tiles, width, 128]
+        part = lookup[256 * (1 + t0 * width) : 256 * (1 + t1 * width)].reshape(t1 - t0, width, 256)
+        part[..., :128] = magnitudes
+        np.bitwise_or(magnitudes, 0x80, out=part[..., 128:])
     if fnuz:
-        tables[tables == 0x80] = 0
+        lookup[lookup == 0x80] = 0
         scale = scale * np.float32(2.0)
-    tile = _per_block(np.arange(tiles_n * tiles_k).reshape(tiles_n, tiles_k), n, groups)
-    return tables.reshape(-1), ((tile * width + above) << 8).astype(np.uint32), scale
+    tile = _per_block(np.arange(tiles).reshape(tiles_n, tiles_k), n, groups)
+    first = np.where(matters, (1 + tile * width + above) << 8, 0).astype(np.uint32)
+    return lookup, first, scale

@@ -18,9 +18,16 @@ def random_mx(shape, lo=112, hi=140, seed=0):
 
 def every_scale_mx(shape, seed=9):
     """Random MXFP8 data with E8M0 bytes over their whole range in every tile (codes below 2.0 keep even 2**127
-    finite): the amax mode's CPU lookups leave such weights to the reference (too many tables per tile)."""
+    finite)."""
     q, s = random_mx(shape, lo=0, hi=255, seed=seed)
     return q & 0xBF, s
+
+
+def spread_row_mx():
+    """A [1, 8192] weight whose 128-wide tiles each have E8M0 bytes 120, 125, 127 and 130 (all codes 0x30): 11
+    tables of 256 bytes a tile for 128 codes, which the amax mode's CPU lookups leave to the reference."""
+    q = torch.full((1, 8192), 0x30, dtype=torch.uint8)
+    return q, torch.tensor([120, 125, 127, 130], dtype=torch.uint8).repeat(64)[None]
 
 
 def awkward_cases():
