@@ -17,7 +17,7 @@ import pytest
 from transformd.checkpoint import convert_checkpoint, plan_conversion, write_checkpoint
 from transformd.checkpoint import headstart
 from transformd.checkpoint.headstart import HeadStart
-from transformd.formats import MxFormatError, Target
+from transformd.formats import MxFormatError, ScaleMode, Target
 from transformd.readahead import in_page_cache, last_shard_in_page_cache
 from transformd.sample import write_sample_checkpoint
 
@@ -96,11 +96,24 @@ def test_convert_checkpoint_with_a_head_start(tmp_path: Path) -> None:
     assert set(result.head_start_shards) <= {s.name for s in plan_conversion(src).shards}
 
 
-def test_amax_mode_gets_no_head_start(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("target", ["fnuz", "ocp"])
+def test_the_amax_mode_from_the_worker_is_the_pipelines_own(tmp_path: Path, target: str) -> None:
+    """The amax scale mode too: the worker converts every shard (its own tables per tile), the same bytes as the
+    pipeline alone; and convert_checkpoint gives it a head start in that mode."""
     src = sample(tmp_path / "src")
-    monkeypatch.setattr(headstart, "HeadStart", None)  # (would fail if called)
-    result = convert_checkpoint(src, tmp_path / "out", device="cpu", scale_mode="amax", head_start=True)
-    assert result.head_start_shards == []
+    convert_checkpoint(src, tmp_path / "pipeline", target=target, scale_mode="amax", device="cpu", head_start=False)
+    plan = plan_conversion(src)
+    out = tmp_path / "worker"
+    out.mkdir()
+    head = HeadStart(plan, out, Target(target), ScaleMode.AMAX, threads=2)
+    wait_for_finished(head, len(plan.shards))
+    result = write_checkpoint(plan, out, target=target, scale_mode="amax", devices=None, head_start=head)
+    assert sorted(result.head_start_shards) == sorted(s.name for s in plan.shards)
+    same_tree(tmp_path / "pipeline", out)
+    result = convert_checkpoint(src, tmp_path / "out", target=target, scale_mode="amax", device="cpu",
+                                head_start=True)
+    same_tree(tmp_path / "pipeline", tmp_path / "out")
+    assert set(result.head_start_shards) <= {s.name for s in plan.shards}
 
 
 def test_an_invalid_value_is_given_back_and_reported_by_the_pipeline(tmp_path: Path) -> None:
@@ -278,7 +291,7 @@ def test_the_worker_takes_no_shard_once_it_said_it_stopped(tmp_path: Path) -> No
     out.mkdir()
     lines: list[str] = []
     probing, release = threading.Event(), threading.Event()
-    worker = headstart._Worker(plan, out, Target.OCP, 1, lines.append)
+    worker = headstart._Worker(plan, out, Target.OCP, ScaleMode.EXACT, 1, lines.append)
 
     def probe(shard) -> bool:  # (called while the shard is being taken)
         probing.set()

@@ -98,12 +98,9 @@ class TransformdConverter:
             _start_warm_up(self.device, recipe)
 
     def _may_head_start(self, recipe: Recipe) -> bool:
-        """Whether a conversion of ``recipe`` may get a head start in this process: allowed, the exact scale mode,
-        torch not imported nor being imported."""
-        from ..formats import ScaleMode
-
-        return (self.head_start and ScaleMode(recipe.scale_mode) is ScaleMode.EXACT and _warming is None
-                and "torch" not in sys.modules)
+        """Whether a conversion of ``recipe`` may get a head start in this process: allowed, torch not imported nor
+        being imported."""
+        return self.head_start and _warming is None and "torch" not in sys.modules
 
     def __call__(
         self, src: Path, out: Path, recipe: Recipe, progress: Callable[[Any], None], *, shard_order: Any = None,
@@ -119,12 +116,12 @@ class TransformdConverter:
         if deferred and last_shard_in_page_cache(src):  # planned first, the worker started, then torch
             from ..checkpoint.headstart import HeadStart
             from ..checkpoint.plan import plan_conversion  # (no torch)
-            from ..formats import Target
+            from ..formats import ScaleMode, Target
 
             plan = dataclasses.replace(plan if plan is not None and plan.select == recipe.select
                                        else plan_conversion(src, select=recipe.select), src=Path(src))
             Path(out).mkdir()
-            head = HeadStart.start(plan, Path(out), Target(recipe.target))
+            head = HeadStart.start(plan, Path(out), Target(recipe.target), ScaleMode(recipe.scale_mode))
         warming = _start_warm_up(self.device, recipe) if deferred else _warming
         devices = None
         try:

@@ -109,15 +109,14 @@ def convert_checkpoint(
     that a shard can be served before the whole checkpoint is done.
 
     ``head_start``: while torch is imported and the kernel loads, a worker process converts shards from the end of
-    the checkpoint on the CPU with NumPy (:mod:`.headstart`: the exact scale mode only, shards in the page cache, the
-    same output bytes). None (the default): when this call is the one that imports torch, as in a process that
+    the checkpoint on the CPU with NumPy (:mod:`.headstart`: either scale mode, shards in the page cache, the same
+    output bytes). None (the default): when this call is the one that imports torch, as in a process that
     converts by itself (``transformd convert --out``), and the checkpoint's last shard is in the page cache (else the
     plan waits for torch's import, as it did, so that a cold source is read in order from the start).
     """
     target, scale_mode = Target(target), ScaleMode(scale_mode)
     src, out = Path(src), Path(out)
     early = ("torch" not in sys.modules and last_shard_in_page_cache(src)) if head_start is None else head_start
-    early = early and scale_mode is ScaleMode.EXACT
     # Without a head start, the order it always had: torch imported and the devices found first (a bad device is
     # refused before anything else), then the plan while the kernel loads.
     devices = None if early else _devices(device)
@@ -146,7 +145,7 @@ def convert_checkpoint(
             if early:
                 from .headstart import HeadStart
 
-                head = HeadStart.start(plan, staging, target)
+                head = HeadStart.start(plan, staging, target, scale_mode)
             if devices is None:  # torch is imported here, while the head start converts
                 devices = _devices(device)
                 kernel.enter_context(_kernel_warm_up(devices, target, scale_mode))

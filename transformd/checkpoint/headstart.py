@@ -4,7 +4,7 @@ A process that converts by itself (``transformd convert --out``) spends its firs
 the kernel while the disk, which bounds the rest of the conversion, waits: with the source in the page cache that
 start-up was the difference between the conversion and ``cp -r`` + ``sync`` of the same bytes. A :class:`HeadStart`
 starts a worker process (``python -m transformd.checkpoint.headstart``, which imports no torch) that converts whole
-shards meanwhile, from the last one backwards, with NumPy table lookups (:mod:`transformd.numpy_exact`: the exact
+shards meanwhile, from the last one backwards, with NumPy table lookups (:mod:`transformd.numpy_exact`: either
 scale mode, bit for bit the reference) on the cores the import leaves idle, and writes them into the output
 directory as the pipeline would (:class:`transformd.safetensors_writer.SafetensorsWriter`: the same header and
 bytes). A process of its own, because threads would share the interpreter lock with the import: measured on the
@@ -48,8 +48,8 @@ from typing import IO, Any
 import numpy as np
 
 from .. import _durable
-from ..formats import Target
-from ..numpy_exact import convert_exact, table, tile_bands, usable_cores
+from ..formats import ScaleMode, Target
+from ..numpy_exact import converter, table, tile_bands, usable_cores
 from ..readahead import in_page_cache
 from ..safetensors_header import ShardFiles
 from ..safetensors_writer import SafetensorsWriter
@@ -104,10 +104,11 @@ class Finished:
 
 
 class HeadStart:
-    """The parent's side: starts the worker on ``plan`` into ``out``; what the pipeline asks of it. Exact scale mode
-    only (its caller checks). Raises OSError when the worker cannot be started (see :meth:`start`)."""
+    """The parent's side: starts the worker on ``plan`` into ``out``; what the pipeline asks of it. Raises OSError
+    when the worker cannot be started (see :meth:`start`)."""
 
-    def __init__(self, plan: ConversionPlan, out: Path, target: Target, *, threads: int | None = None):
+    def __init__(self, plan: ConversionPlan, out: Path, target: Target, scale_mode: ScaleMode = ScaleMode.EXACT, *,
+                 threads: int | None = None):
         self.plan, self.out = plan, out
         self.started = time.monotonic()
         self.finished: list[Finished] = []
@@ -118,7 +119,8 @@ class HeadStart:
         self._stopped = self._ended = False
         self._skipped: set[str] | None = None  # the worker's shards, once it stopped (the pipeline skips them)
         threads = threads if threads is not None else head_start_threads()
-        command = [sys.executable, "-m", __name__, str(out), Target(target).value, str(threads)]
+        command = [sys.executable, "-m", __name__, str(out), Target(target).value, ScaleMode(scale_mode).value,
+                   str(threads)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # (this process's modules)
         fds = source_descriptors(plan)
         if min(fds, default=3) < 3:  # (the worker's own standard streams would take those numbers)
@@ -134,10 +136,11 @@ class HeadStart:
         self._feeder.start()
 
     @classmethod
-    def start(cls, plan: ConversionPlan, out: Path, target: Target) -> HeadStart | None:
+    def start(cls, plan: ConversionPlan, out: Path, target: Target, scale_mode: ScaleMode = ScaleMode.EXACT
+              ) -> HeadStart | None:
         """A head start, or None where no worker process can be started (then the pipeline converts everything)."""
         try:
-            return cls(plan, out, target)
+            return cls(plan, out, target, scale_mode)
         except OSError:
             return None
 
@@ -281,9 +284,11 @@ class _Worker:
     """Converts shards of ``plan`` from the last one backwards into ``out`` until stopped, cancelled or out of shards,
     saying what it does on ``say``."""
 
-    def __init__(self, plan: ConversionPlan, out: Path, target: Target, threads: int, say: Callable[[str], None]):
+    def __init__(self, plan: ConversionPlan, out: Path, target: Target, scale_mode: ScaleMode, threads: int,
+                 say: Callable[[str], None]):
         self.plan, self.out, self.target = plan, out, Target(target)
         self._fnuz = self.target is Target.FNUZ
+        self._lookups = converter(scale_mode)
         self._threads, self._say = threads, say
         self.stopped, self.cancelled, self.failed = threading.Event(), threading.Event(), threading.Event()
         self.taking = threading.Lock()  # a shard is taken, or the worker stops, not both at once
@@ -423,9 +428,9 @@ class _Worker:
         codes = np.empty((r1 - r0, k), dtype=np.uint8)
         files.read_into(pair.weight_shard, pair.weight.begin + (e * n + r0) * k, codes)
         scales, scale_bytes = _read_scales(pair, e, r0, r1, files)
-        converted = convert_exact(codes, scales, fnuz=self._fnuz, out=codes)
+        converted = self._lookups(codes, scales, fnuz=self._fnuz, out=codes)
         if converted is None:
-            raise _GiveBack(f"{pair.weight.name}: a value the conversion refuses")
+            raise _GiveBack(f"{pair.weight.name}: a value the conversion refuses, or (amax) too wide a tile")
         return converted[0], converted[1], codes.nbytes + scale_bytes
 
     def _check(self) -> None:
@@ -446,8 +451,9 @@ def _read_scales(pair: MxPair, e: int, r0: int, r1: int, files: ShardFiles) -> t
 
 
 def _serve(argv: list[str]) -> int:
-    """The worker: ``OUT TARGET THREADS`` on the command line, the plan and then ``stop`` on stdin (EOF: cancel)."""
-    out, target, threads = Path(argv[0]), Target(argv[1]), int(argv[2])
+    """The worker: ``OUT TARGET SCALE_MODE THREADS`` on the command line, the plan and then ``stop`` on stdin (EOF:
+    cancel)."""
+    out, target, scale_mode, threads = Path(argv[0]), Target(argv[1]), ScaleMode(argv[2]), int(argv[3])
     stdin, stdout = sys.stdin.buffer, sys.stdout
     size = struct.unpack("<Q", _read_exactly(stdin, 8))[0]
     plan = pickle.loads(_read_exactly(stdin, size))  # (from the parent process, which made it)
@@ -458,7 +464,7 @@ def _serve(argv: list[str]) -> int:
             stdout.write(line + "\n")
             stdout.flush()
 
-    worker = _Worker(plan, out, target, threads, say)
+    worker = _Worker(plan, out, target, scale_mode, threads, say)
 
     def listen(commands: IO[bytes]) -> None:
         for line in commands:
