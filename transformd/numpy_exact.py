@@ -287,5 +287,6 @@ def _amax_tables(amax: np.ndarray, scales: np.ndarray, block_max: np.ndarray, *,
         lookup[lookup == 0x80] = 0
         scale = scale * np.float32(2.0)
     tile = _per_block(np.arange(tiles).reshape(tiles_n, tiles_k), n, groups)
-    first = np.where(matters, (1 + tile * width + above) << 8, 0).astype(np.uint32)
+    index = np.uint32 if lookup.size <= 1 << 32 else np.uint64  # (wider only for matrices of over 1 GiB)
+    first = np.where(matters, (1 + tile * width + above) << 8, 0).astype(index)
     return lookup, first, scale
