@@ -149,8 +149,10 @@ def test_amax_leaves_spread_scales_in_a_few_rows_to_the_reference(monkeypatch):
 
 @pytest.mark.parametrize("entries", [1, 3000])
 def test_amax_tables_in_pieces_of_tiles(entries, monkeypatch):
-    """Tables computed one tile at a time, or a few tiles (the last piece partial), give the same bytes."""
+    """Tables computed one tile at a time, or a few tiles (the last piece partial), give the same bytes; and with
+    uint64 indices, as a matrix of over 1 GiB gets, too."""
     monkeypatch.setattr(numpy_exact, "_AMAX_ENTRIES", entries)
+    monkeypatch.setattr(numpy_exact, "_UINT32_ENTRIES", 1 if entries == 1 else 1 << 32)
     q, s = every_scale_mx((1, 300, 640), seed=4)
     for target in TARGETS:
         assert_like_reference(q, s, target, "amax")

@@ -43,6 +43,8 @@ _MAX_BYTES = 1 << 18
 _AMAX_TABLE_BYTES = 1 << 16
 #: Table entries :func:`convert_amax` computes at once (their float32 and int64 temporaries: ~40 bytes each).
 _AMAX_ENTRIES = 1 << 16
+#: Lookup tables up to this many entries are indexed with uint32, larger ones with uint64.
+_UINT32_ENTRIES = 1 << 32
 
 
 def tile_bands(shape: Sequence[int], most_bytes: int) -> Iterator[tuple[int, int, int]]:
@@ -287,6 +289,6 @@ def _amax_tables(amax: np.ndarray, scales: np.ndarray, block_max: np.ndarray, *,
         lookup[lookup == 0x80] = 0
         scale = scale * np.float32(2.0)
     tile = _per_block(np.arange(tiles).reshape(tiles_n, tiles_k), n, groups)
-    index = np.uint32 if lookup.size <= 1 << 32 else np.uint64  # (wider only for matrices of over 1 GiB)
+    index = np.uint32 if lookup.size <= _UINT32_ENTRIES else np.uint64  # (wider only for matrices of over 1 GiB)
     first = np.where(matters, (1 + tile * width + above) << 8, 0).astype(index)
     return lookup, first, scale
