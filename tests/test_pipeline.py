@@ -417,8 +417,8 @@ def test_cpu_path_is_the_references_bytes_by_table_lookups_in_bands(tmp_path: Pa
     bands: list[int] = []
     real_bands = pieces._bands
 
-    def counting(piece, source, dest):
-        made = list(real_bands(piece, source, dest))
+    def counting(piece, source, dest, band_bytes):
+        made = list(real_bands(piece, source, dest, band_bytes))
         bands.append(len(made))
         return made
 
@@ -431,6 +431,35 @@ def test_cpu_path_is_the_references_bytes_by_table_lookups_in_bands(tmp_path: Pa
     assert_converted(src, tmp_path / "out", target, mode)
     assert max(bands) >= 8, "a weight of several experts or tile rows is cut into bands"
     assert transformd_threads() == []
+
+
+@pytest.mark.parametrize("mode", ["exact", "amax"])
+def test_cpu_bands_shrink_on_a_node_of_many_cores(tmp_path: Path, mode: str, monkeypatch) -> None:
+    """64 threads on a small budget: each band is at most a quarter of the work space over the threads (one tile row
+    at the least), so the lookups' temporaries stay within it; the bytes are the reference's."""
+    monkeypatch.setattr(pieces, "usable_cores", lambda: 64)
+    made: list[tuple[int, int]] = []  # (work bytes, band bytes) of each converter
+    real_init, real_bands = pieces.CpuConverter.__init__, pieces._bands
+    seen: list[int] = []
+
+    def init(self, target, scale_mode, work_bytes, threads=None):
+        real_init(self, target, scale_mode, work_bytes, threads)
+        made.append((work_bytes, self.band_bytes))
+
+    def bands(piece, source, dest, band_bytes):
+        for codes, scales, converted in real_bands(piece, source, dest, band_bytes):
+            seen.append(codes.nbytes)
+            yield codes, scales, converted
+
+    monkeypatch.setattr(pieces.CpuConverter, "__init__", init)
+    monkeypatch.setattr(pieces, "_bands", bands)
+    src = sample(tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "out", scale_mode=mode, device="cpu", host_memory_bytes=8 << 20)
+    assert_converted_sample(src, tmp_path / "out", "fnuz", mode)
+    [(work, band)] = made
+    assert band == work // (4 * 64) < pieces.CPU_BAND_BYTES
+    widest = max(p.weight.shape[-1] for s in plan_conversion(src).shards for p in s.pairs)
+    assert seen and max(seen) <= max(band, 128 * widest)
 
 
 def test_cpu_invalid_values_and_amax_weights_of_too_many_tables_go_to_the_reference(tmp_path: Path,

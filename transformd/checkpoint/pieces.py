@@ -27,8 +27,9 @@ MAX_SLOTS = 16
 #: Host bytes the PyTorch reference (the CPU path's fallback) needs while it converts a piece, per code byte of the
 #: piece: float32 decode, tile maxima, the quotient, the outputs (measured 12-14).
 CPU_WORK_FACTOR = 16
-#: Code bytes one CPU thread converts at once (a band of whole 128-row tiles of one expert); its temporaries are
-#: about as large.
+#: Code bytes one CPU thread converts at once (a band of whole 128-row tiles of one expert) at the most. Its
+#: temporaries take about 1.7x a band and 3 MiB (tracemalloc, either scale mode), so :class:`CpuConverter` makes the
+#: bands smaller where its threads would need more than about half the work space.
 CPU_BAND_BYTES = 8 << 20
 #: Alignment of the scale bytes that follow the codes in a slot, and of each piece of a batch.
 SLOT_ALIGN = 256
@@ -152,15 +153,20 @@ class CpuConverter:
     """CPU: NumPy table lookups (:func:`transformd.numpy_exact.convert_exact` and ``convert_amax``, bit for bit the
     reference) on a pool of threads, one band of whole 128-row tiles of one expert each; an empty weight and any
     weight the lookups refuse (an invalid value, or amax tables that would outnumber its codes) through the PyTorch
-    reference (:func:`transformd.convert_weight`), whose error names the value. In the exact mode 0.5 GiB took
-    1.43-1.54 s on the 2-core development machine against 2.93-3.73 s with the reference
-    (``benchmarks/results/convert_bench_cpu_numpy_exact.txt``)."""
+    reference (:func:`transformd.convert_weight`), whose error names the value, once every band of the batch is done
+    (the two never hold memory at once). In the exact mode 0.5 GiB took 1.43-1.54 s on the 2-core development
+    machine against 2.93-3.73 s with the reference (``benchmarks/results/convert_bench_cpu_numpy_exact.txt``).
 
-    def __init__(self, target: Target, scale_mode: ScaleMode, threads: int | None = None):
+    ``work_bytes``: the lane's work space (:attr:`BufferSizes.work_bytes`, reserved for the reference); the bands
+    are at most :data:`CPU_BAND_BYTES` and a quarter of it over the threads, so that the lookups' temporaries take
+    about half of it (and 3 MiB a thread) on a node of many cores too."""
+
+    def __init__(self, target: Target, scale_mode: ScaleMode, work_bytes: int, threads: int | None = None):
         self.target, self.scale_mode = target, scale_mode
         self._convert = converter(scale_mode)
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads or usable_cores(),
-                                                           thread_name_prefix="transformd-cpu-convert")
+        threads = threads or usable_cores()
+        self.band_bytes = max(1, min(CPU_BAND_BYTES, work_bytes // (4 * threads)))
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="transformd-cpu-convert")
 
     def __call__(self, slot: torch.Tensor, out: torch.Tensor, pieces: list[PackedWeight]) -> list[torch.Tensor]:
         fnuz = self.target is Target.FNUZ
@@ -169,7 +175,8 @@ class CpuConverter:
         try:
             for piece in pieces:
                 bands.append([self._pool.submit(self._convert, codes, scales, fnuz=fnuz, out=converted)
-                              for codes, scales, converted in _bands(piece, source, dest)])
+                              for codes, scales, converted in _bands(piece, source, dest, self.band_bytes)])
+            concurrent.futures.wait([future for futures in bands for future in futures])  # (before any reference)
             scale_invs = []
             for i, (piece, futures) in enumerate(zip(pieces, bands)):
                 done = [future.result() for future in futures]
@@ -196,10 +203,11 @@ class CpuConverter:
         self._pool.shutdown()
 
 
-def _bands(piece: PackedWeight, source: np.ndarray, dest: np.ndarray
+def _bands(piece: PackedWeight, source: np.ndarray, dest: np.ndarray, band_bytes: int
            ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(codes, E8M0 scales, converted codes) of each band of ``piece``: at most :data:`CPU_BAND_BYTES` of whole
-    128-row tiles of one expert, in order (so their scale_inv rows follow one another); none for an empty piece."""
+    """(codes, E8M0 scales, converted codes) of each band of ``piece``: at most ``band_bytes`` of whole 128-row tiles
+    of one expert (one tile row at the least), in order (so their scale_inv rows follow one another); none for an
+    empty piece."""
     *lead, n, k = piece.shape
     experts = math.prod(lead)
     if not (experts and n and k):
@@ -208,7 +216,7 @@ def _bands(piece: PackedWeight, source: np.ndarray, dest: np.ndarray
     codes = source[piece.code_offset : piece.code_offset + size].reshape(experts, n, k)
     scales = source[piece.scale_offset : piece.scale_offset + size // MX_BLOCK].reshape(experts, n, k // MX_BLOCK)
     converted = dest[piece.code_offset : piece.code_offset + size].reshape(experts, n, k)
-    for e, r0, r1 in tile_bands(piece.shape, CPU_BAND_BYTES):
+    for e, r0, r1 in tile_bands(piece.shape, band_bytes):
         yield codes[e, r0:r1], scales[e, r0:r1], converted[e, r0:r1]
 
 
@@ -292,5 +300,5 @@ def make_converter(
     device: torch.device, slot_bytes: int, target: Target, scale_mode: ScaleMode
 ) -> CpuConverter | KernelConverter:
     if device.type == "cpu":
-        return CpuConverter(target, scale_mode)
+        return CpuConverter(target, scale_mode, CPU_WORK_FACTOR * slot_bytes)
     return KernelConverter(device, slot_bytes, target, scale_mode)
