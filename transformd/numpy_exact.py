@@ -196,7 +196,7 @@ def convert_exact(codes: np.ndarray, scales: np.ndarray, *, fnuz: bool, out: np.
 
 
 def _convert(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None,
-             tables: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray] | None]
+             tables: Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray] | None]
              ) -> tuple[np.ndarray, np.ndarray] | None:
     """Either mode: ``tables(amax, scales, block_max)`` gives (the lookup table, each block's first index in it,
     scale_inv) from the tiles' and the blocks' largest magnitudes, or None."""
@@ -269,9 +269,9 @@ def _amax_tables(amax: np.ndarray, scales: np.ndarray, block_max: np.ndarray, *,
     above = byte - _per_block(lowest, n, groups)  # each block's table among its tile's
     width = int(above.max(initial=-1, where=matters)) + 1
     tiles = tiles_n * tiles_k
-    lookup = np.empty(256 * (1 + tiles * width), dtype=np.uint8)
-    if lookup.size - 256 > _AMAX_TABLE_BYTES + 4 * n * groups * MX_BLOCK:
+    if tiles * width * 256 > _AMAX_TABLE_BYTES + 4 * n * groups * MX_BLOCK:
         return None
+    lookup = np.empty(256 * (1 + tiles * width), dtype=np.uint8)
     lookup[:256] = np.repeat(np.array([0, 0 if fnuz else 0x80], dtype=np.uint8), 128)  # the signed zeros
     lowest, quotient_scale = lowest.reshape(-1), scale.reshape(-1, 1, 1)
     step = max(1, _AMAX_ENTRIES // (128 * max(1, width)))  # tiles at a time
