@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from transformd import numpy_exact
+from transformd import MxFormatError, convert_weight, numpy_exact
+from transformd import convert as convert_module
 from transformd.numpy_exact import D_MAX, D_MIN, convert_exact, e4m3fn_code, e4m3fn_value, table
 from transformd.reference import convert_reference
 
@@ -223,3 +224,39 @@ def test_invalid_values_are_refused(case, mode):
     valid = [i for i, r in enumerate(results) if r is not None]
     for i in valid:  # (the other matrix of the case is valid, and converts like the reference)
         assert_like_reference(q[i], s[i], "fnuz", mode)
+
+
+@pytest.mark.parametrize("mode", ["exact", "amax"])
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", ["random 2-D", "Quark per_block scales", *AWKWARD])
+def test_convert_weight_on_the_cpu_looks_up_the_references_bytes(case, target, mode, monkeypatch):
+    """transformd.convert_weight(device="cpu") in both modes: the lookups, never the reference, same bytes."""
+    if case == "random 2-D":
+        q, s = random_mx((300, 416), seed=5)
+        row_block, scales = None, s
+    elif case == "Quark per_block scales":  # one scale per 32 rows: expanded before the lookups
+        q, s = random_mx((2, 96, 160), seed=6)
+        row_block, scales = 32, s[:, ::32].contiguous()
+        s = scales.repeat_interleave(32, dim=1)
+    else:
+        q, s = AWKWARD[case]
+        row_block, scales = None, s
+    want_q, want_s = convert_reference(q, s, target, mode)
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the reference was called for valid input")
+
+    monkeypatch.setattr(convert_module, "convert_reference", no_reference)
+    got_q, got_s = convert_weight(q.view(torch.float8_e4m3fn), scales, target, mode, device="cpu", row_block=row_block)
+    assert got_q.dtype == (torch.float8_e4m3fnuz if target == "fnuz" else torch.float8_e4m3fn)
+    assert got_q.shape == q.shape and got_s.shape == want_s.shape and got_s.dtype == torch.float32
+    np.testing.assert_array_equal(got_q.view(torch.uint8).numpy(), want_q.numpy())
+    np.testing.assert_array_equal(got_s.numpy().view(np.uint32), want_s.numpy().view(np.uint32))
+
+
+@pytest.mark.parametrize("mode", ["exact", "amax"])
+@pytest.mark.parametrize("case", list(invalid_cases()))
+def test_convert_weight_on_the_cpu_names_an_invalid_value(case, mode):
+    q, s, words = invalid_cases()[case]
+    with pytest.raises(MxFormatError, match=words):
+        convert_weight(q, s, "ocp", mode, device="cpu")
