@@ -132,6 +132,8 @@ MUTANTS: list[Mutant] = [
       NUMPY_TESTS),
     m("numpy-amax-pieces-skip-tiles", "transformd/numpy_exact.py", "for t0 in range(0, tiles, step):",
       "for t0 in range(0, tiles, step + 1):", NUMPY_TESTS),
+    m("convert-weight-cpu-fnuz-dropped", "transformd/convert.py", "fnuz=target is Target.FNUZ, out=out3[e]",
+      "fnuz=False, out=out3[e]", NUMPY_TESTS),
     # -- cache/keys.py -----------------------------------------------------------------------------------------------
     m("key-ignores-tokenizer-content", "transformd/cache/keys.py", "        records.append(FileRecord(rel, st.st_size, digest))",
       "        records.append(FileRecord(rel, st.st_size, 'x' if rel == 'tokenizer.json' else digest))", KEY_TESTS),
