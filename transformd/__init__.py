@@ -1,9 +1,9 @@
 """transformd: MXFP8 checkpoints converted once per node to 128x128 block FP8, cached and served.
 
-Tensors: :func:`convert_weight` (validates, then the fused kernel on a GPU; on the CPU
-NumPy table lookups in the exact mode, the PyTorch reference in the amax mode). Checkpoints: :func:`convert_checkpoint`. The cache
-is :mod:`transformd.cache`, the daemon :mod:`transformd.daemon`, its client
-:mod:`transformd.client` (torch-free: what engines import).
+Tensors: :func:`convert_weight` (validates, then the fused kernel on a GPU or NumPy table
+lookups on the CPU).
+Checkpoints: :func:`convert_checkpoint`. The cache is :mod:`transformd.cache`, the daemon
+:mod:`transformd.daemon`, its client :mod:`transformd.client` (torch-free: what engines import).
 
 Importing the package imports nothing heavy: each name below is loaded on first use, so
 ``import transformd.client`` costs Python (and httpx once a client is made), not torch.

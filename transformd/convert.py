@@ -1,7 +1,7 @@
 """Tensor-level entry point: validate one MXFP8 weight and convert it on a device.
 
-Picks the fused Triton kernel on a GPU; on the CPU, NumPy table lookups in the exact scale mode
-(:mod:`transformd.numpy_exact`) and the PyTorch reference in the amax mode. All give the same bytes.
+Picks the fused Triton kernel on a GPU and NumPy table lookups on the CPU (:mod:`transformd.numpy_exact`; the
+PyTorch reference for what they refuse). All give the same bytes.
 3-D expert tensors go to the GPU in chunks of whole experts, so device memory stays bounded whatever
 the tensor's size.
 """
@@ -75,8 +75,10 @@ def convert_weight(
 
 def _convert_cpu(codes: torch.Tensor, scales: torch.Tensor, target: Target, scale_mode: ScaleMode
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The exact mode by NumPy table lookups, expert by expert (bit for bit the reference, 2-3x faster); None for an
-    empty weight or one with an invalid value (the reference path then raises the error that names it)."""
+    """Either mode by NumPy table lookups, expert by expert (bit for bit the reference; on the 2-core development
+    machine, one thread, 13-16x faster on DeepSeek-V3's experts in the exact mode and 10x in the amax mode:
+    ``benchmarks/results/cpu_lookup_bench_cpu.txt``); None for an empty weight, one with an invalid value (the
+    reference path then raises the error that names it) or amax tables that would outnumber its codes."""
     if codes.numel() == 0:
         return None
     host_codes, host_scales = codes.cpu().contiguous(), scales.cpu().contiguous()
