@@ -14,7 +14,7 @@ import torch
 from .formats import MxFormatError, ScaleMode, Target, infer_row_block
 from .kernels import convert_triton
 from .mx import as_codes, check_pair_shapes, expand_row_blocks, find_value_problem
-from .numpy_exact import convert_amax, convert_exact
+from .numpy_exact import converter
 from .reference import convert_reference
 
 #: Largest slice of a weight (input code bytes) sent to the GPU at once.
@@ -83,7 +83,7 @@ def _convert_cpu(codes: torch.Tensor, scales: torch.Tensor, target: Target, scal
         return None
     host_codes, host_scales = codes.cpu().contiguous(), scales.cpu().contiguous()
     q = torch.empty_like(host_codes)
-    convert = convert_exact if scale_mode is ScaleMode.EXACT else convert_amax
+    convert = converter(scale_mode)
     codes3, scales3, out3 = (t.numpy().reshape(-1, *t.shape[-2:]) for t in (host_codes, host_scales, q))
     scale_invs = []
     for e in range(codes3.shape[0]):
