@@ -31,20 +31,8 @@ def _table_rows(weights, n, k, nt, kt):
 
 
 def _launch_group_variant(rows, bases, target, scale_mode, kernel, num_warps, aligned, direct):
-    """kernels._launch_group with its table made another way (its grouping copied: a change to kernels.py, even a
-    host-side one, wants a new recorded GPU run, tests/test_gpu_record.py)."""
-    shapes = {}
-    firsts, tiles = [], 0
-    for shape, q_off, s_off, o_off, sc_off in rows:
-        n, k = shape[-2], shape[-1]
-        experts = 1
-        for lead in shape[:-2]:
-            experts *= lead
-        count = experts * -(-n // K.TILE) * -(-k // K.TILE)
-        firsts.append(tiles)
-        if count:
-            shapes.setdefault((n, k), []).append((q_off, s_off, o_off, sc_off, tiles, experts))
-        tiles += count
+    """kernels._launch_group with its table made another way (the same grouping, kernels._group_rows)."""
+    shapes, firsts, tiles = K._group_rows(rows)
     if not tiles:
         return None
     device = bases[0].device

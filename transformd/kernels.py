@@ -583,6 +583,26 @@ class PackedWeight:
         return codes, scales.view(*self.shape[:-1], self.shape[-1] // MX_BLOCK)
 
 
+def _group_rows(
+    rows: list[tuple[int, ...]],
+) -> tuple[dict[tuple[int, int], list[tuple[int, ...]]], list[int], int]:
+    """Group ``rows`` (as :func:`_launch_group` takes them) by [N, K]: each shape's weights as (the four offsets,
+    their first tile, their expert count), each row's first tile, and the tile count."""
+    shapes: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+    firsts, tiles = [], 0  # this loop is the launch's per-weight cost: keep it short
+    for shape, q_off, s_off, o_off, sc_off in rows:
+        n, k = shape[-2], shape[-1]
+        experts = 1
+        for lead in shape[:-2]:
+            experts *= lead
+        count = experts * -(-n // TILE) * -(-k // TILE)  # formats.tile_grid inline: a call would double its cost
+        firsts.append(tiles)
+        if count:
+            shapes.setdefault((n, k), []).append((q_off, s_off, o_off, sc_off, tiles, experts))
+        tiles += count
+    return shapes, firsts, tiles
+
+
 def _launch_group(
     rows: list[tuple[int, ...]],
     bases: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -597,18 +617,7 @@ def _launch_group(
 
     Returns the per-tile status words and each row's first tile, or None when there is no tile at all.
     """
-    shapes: dict[tuple[int, int], list[tuple[int, ...]]] = {}  # (N, K) -> its weights' offsets and experts
-    firsts, tiles = [], 0  # this loop is the launch's per-weight cost: keep it short
-    for shape, q_off, s_off, o_off, sc_off in rows:
-        n, k = shape[-2], shape[-1]
-        experts = 1
-        for lead in shape[:-2]:
-            experts *= lead
-        count = experts * -(-n // TILE) * -(-k // TILE)  # formats.tile_grid inline: a call would double its cost
-        firsts.append(tiles)
-        if count:
-            shapes.setdefault((n, k), []).append((q_off, s_off, o_off, sc_off, tiles, experts))
-        tiles += count
+    shapes, firsts, tiles = _group_rows(rows)
     if not tiles:
         return None
     device = bases[0].device
