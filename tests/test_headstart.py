@@ -116,27 +116,28 @@ def test_the_amax_mode_from_the_worker_is_the_pipelines_own(tmp_path: Path, targ
     assert set(result.head_start_shards) <= {s.name for s in plan.shards}
 
 
-def test_an_invalid_value_is_given_back_and_reported_by_the_pipeline(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["exact", "amax"])
+def test_an_invalid_value_is_given_back_and_reported_by_the_pipeline(tmp_path: Path, mode: str) -> None:
     """A NaN code in the last shard: the worker gives the shard back, the pipeline converts it and fails with the
-    file and the tensor named; nothing is left of the output."""
+    file and the tensor named; nothing is left of the output. In either scale mode."""
     shards = default_shards()
     set_tensor("model.layers.0.mlp.experts.1.up_proj.weight", poke((3, 5), 0x7F))(shards)
     src = write_src(tmp_path / "src", shards)
     plan = plan_conversion(src)
     out = tmp_path / "staging"
     out.mkdir()
-    head = HeadStart(plan, out, Target.FNUZ, threads=2)
+    head = HeadStart(plan, out, Target.FNUZ, ScaleMode(mode), threads=2)
     deadline = time.monotonic() + 60
     while head.gave_back == [] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert head.gave_back == [SHARD_B]
     assert not (out / SHARD_B).exists(), "its partial file is removed"
     with pytest.raises(MxFormatError) as caught:
-        write_checkpoint(plan, out, devices=None, head_start=head)
+        write_checkpoint(plan, out, scale_mode=mode, devices=None, head_start=head)
     assert "experts.1.up_proj.weight" in str(caught.value) and SHARD_B in str(caught.value)
     assert "NaN" in str(caught.value)
     with pytest.raises(MxFormatError):
-        convert_checkpoint(src, tmp_path / "out", device="cpu", head_start=True)
+        convert_checkpoint(src, tmp_path / "out", scale_mode=mode, device="cpu", head_start=True)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 
