@@ -426,7 +426,7 @@ def test_cpu_path_is_the_references_bytes_by_table_lookups_in_bands(tmp_path: Pa
         raise AssertionError("the CPU path asked the PyTorch reference for a valid weight")
 
     monkeypatch.setattr(pieces, "_bands", counting)
-    monkeypatch.setattr(pieces, "convert_weight", no_reference)
+    monkeypatch.setattr(pieces, "convert_reference_checked", no_reference)
     convert_checkpoint(src, tmp_path / "out", target=target, scale_mode=mode, device="cpu")
     assert_converted(src, tmp_path / "out", target, mode)
     assert max(bands) >= 8, "a weight of several experts or tile rows is cut into bands"
@@ -468,13 +468,13 @@ def test_cpu_invalid_values_and_amax_weights_of_too_many_tables_go_to_the_refere
     (a row of tiles with spread E8M0 bytes), are the PyTorch reference's: the bytes are the reference's, and an
     invalid value's error names the tensor and the file as it always did."""
     asked: list[str] = []
-    real = pieces.convert_weight
+    real = pieces.convert_reference_checked
 
-    def recording(codes, scales, target, scale_mode, device):
+    def recording(codes, scales, target, scale_mode):
         asked.append(ScaleMode(scale_mode).value)
-        return real(codes, scales, target, scale_mode, device)
+        return real(codes, scales, target, scale_mode)
 
-    monkeypatch.setattr(pieces, "convert_weight", recording)
+    monkeypatch.setattr(pieces, "convert_reference_checked", recording)
     shards = default_shards()
     q, s = spread_row_mx()
     shards[SHARD_B].update({"model.layers.0.mlp.spread.weight": q.view(torch.float8_e4m3fn),

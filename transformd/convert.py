@@ -62,15 +62,22 @@ def convert_weight(
         looked_up = _convert_cpu(codes, scales, target, scale_mode)
         if looked_up is not None:
             return looked_up
-        problem = find_value_problem(codes, scales)
-        if problem:
-            raise MxFormatError(problem)
-        q, s = convert_reference(codes.cpu(), scales.cpu(), target, scale_mode)
+        q, s = convert_reference_checked(codes, scales, target, scale_mode)
     elif codes.dim() == 2 or codes.device == dev:
         q, s = convert_triton(codes.to(dev), scales.to(dev), target, scale_mode)
     else:
         q, s = _convert_chunked(codes, scales, target, scale_mode, dev, chunk_bytes)
     return q.to(codes.device).view(target.torch_dtype), s.to(codes.device)
+
+
+def convert_reference_checked(codes: torch.Tensor, scales: torch.Tensor, target: Target, scale_mode: ScaleMode
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch reference on the CPU for a pair whose shapes have passed :func:`check_pair_shapes` (scales one
+    per 32 elements): first the value check, whose :class:`MxFormatError` names the first invalid value."""
+    problem = find_value_problem(codes, scales)
+    if problem:
+        raise MxFormatError(problem)
+    return convert_reference(codes.cpu(), scales.cpu(), target, scale_mode)
 
 
 def _convert_cpu(codes: torch.Tensor, scales: torch.Tensor, target: Target, scale_mode: ScaleMode

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..convert import convert_weight
+from ..convert import convert_reference_checked
 from ..formats import MX_BLOCK, TILE, MxFormatError, ScaleMode, Target
 from ..kernels import GroupMemberError, PackedWeight, convert_packed
 from ..numpy_exact import converter, tile_bands, usable_cores
@@ -153,9 +153,10 @@ class CpuConverter:
     """CPU: NumPy table lookups (:func:`transformd.numpy_exact.convert_exact` and ``convert_amax``, bit for bit the
     reference) on a pool of threads, one band of whole 128-row tiles of one expert each; an empty weight and any
     weight the lookups refuse (an invalid value, or amax tables that would outnumber its codes) through the PyTorch
-    reference (:func:`transformd.convert_weight`), whose error names the value, once every band of the batch is done
-    (the two never hold memory at once). In the exact mode 0.5 GiB took 1.43-1.54 s on the 2-core development
-    machine against 2.93-3.73 s with the reference (``benchmarks/results/convert_bench_cpu_numpy_exact.txt``).
+    reference (:func:`transformd.convert.convert_reference_checked`), whose error names the value, once every band of
+    the batch is done (the two never hold memory at once). In the exact mode 0.5 GiB took 1.43-1.54 s on the 2-core
+    development machine against 2.93-3.73 s with the reference
+    (``benchmarks/results/convert_bench_cpu_numpy_exact.txt``).
 
     ``work_bytes``: the lane's work space (:attr:`BufferSizes.work_bytes`, reserved for the reference); the bands
     are at most :data:`CPU_BAND_BYTES` and a quarter of it over the threads, so that the lookups' temporaries take
@@ -193,7 +194,7 @@ class CpuConverter:
     def _reference(self, slot: torch.Tensor, out: torch.Tensor, piece: PackedWeight, index: int) -> torch.Tensor:
         codes, e8m0 = piece.views(slot)
         try:
-            q, scale_inv = convert_weight(codes, e8m0, self.target, self.scale_mode, "cpu")
+            q, scale_inv = convert_reference_checked(codes, e8m0, self.target, self.scale_mode)
         except MxFormatError as err:
             raise GroupMemberError(err.problem, index) from None
         out[piece.code_offset : piece.code_offset + codes.numel()].copy_(q.view(torch.uint8).reshape(-1))
