@@ -134,6 +134,9 @@ MUTANTS: list[Mutant] = [
       "for t0 in range(0, tiles, step + 1):", NUMPY_TESTS),
     m("convert-weight-cpu-fnuz-dropped", "transformd/convert.py", "fnuz=target is Target.FNUZ, out=out3[e]",
       "fnuz=False, out=out3[e]", NUMPY_TESTS),
+    m("cpu-reference-values-unchecked", "transformd/convert.py",
+      "    problem = find_value_problem(codes, scales)\n    if problem:", "    problem = None\n    if problem:",
+      ["tests/test_pipeline.py", "-k", "cpu_invalid"]),
     # -- cache/keys.py -----------------------------------------------------------------------------------------------
     m("key-ignores-tokenizer-content", "transformd/cache/keys.py", "        records.append(FileRecord(rel, st.st_size, digest))",
       "        records.append(FileRecord(rel, st.st_size, 'x' if rel == 'tokenizer.json' else digest))", KEY_TESTS),
