@@ -294,9 +294,12 @@ class _Worker:
         self.taking = threading.Lock()  # a shard is taken, or the worker stops, not both at once
 
     def stop(self) -> None:
-        """Take no more shards; say so (after this, the parent knows every shard the worker took)."""
+        """Take no more shards; say so (after this, the parent knows every shard the worker took). A shard being taken
+        meanwhile is taken first (its ``take`` line comes before ``stopped``). ``stopped`` is set before the lock is
+        waited for: a lock is not fair, and the run, which takes it again as soon as it has written a shard, could
+        otherwise take more shards before the stop gets it."""
+        self.stopped.set()
         with self.taking:
-            self.stopped.set()
             self._say("stopped")
 
     def run(self) -> None:
