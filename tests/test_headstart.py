@@ -59,7 +59,7 @@ def test_every_shard_from_the_worker_is_the_pipelines_own(tmp_path: Path, layout
     plan = plan_conversion(src)
     out = tmp_path / "worker"
     out.mkdir()
-    head = HeadStart(plan, out, Target(target), threads=2)
+    head = HeadStart(plan, out, Target(target), ScaleMode.EXACT, threads=2)
     wait_for_finished(head, len(plan.shards))
     result = write_checkpoint(plan, out, target=target, devices=None, head_start=head)
     assert sorted(result.head_start_shards) == sorted(s.name for s in plan.shards)
@@ -75,7 +75,7 @@ def test_worker_and_pipeline_share_the_shards(tmp_path: Path, target: str) -> No
     plan = plan_conversion(src)
     out = tmp_path / "out"
     out.mkdir()
-    head = HeadStart(plan, out, Target(target), threads=1)
+    head = HeadStart(plan, out, Target(target), ScaleMode.EXACT, threads=1)
     wait_for_finished(head, 2)
     progress = []
     result = write_checkpoint(plan, out, target=target, devices=None, head_start=head, progress=progress.append)
@@ -147,7 +147,7 @@ def test_cancel_leaves_only_finished_shards(tmp_path: Path, after: float) -> Non
     plan = plan_conversion(src)
     out = tmp_path / "out"
     out.mkdir()
-    head = HeadStart(plan, out, Target.OCP, threads=1)
+    head = HeadStart(plan, out, Target.OCP, ScaleMode.EXACT, threads=1)
     time.sleep(after)
     head.cancel()
     finished = {f.shard.name for f in head.finished}
@@ -161,7 +161,7 @@ def test_a_worker_that_dies_leaves_the_work_to_the_pipeline(tmp_path: Path) -> N
     plan = plan_conversion(src)
     out = tmp_path / "out"
     out.mkdir()
-    head = HeadStart(plan, out, Target.FNUZ, threads=1)
+    head = HeadStart(plan, out, Target.FNUZ, ScaleMode.EXACT, threads=1)
     head._proc.kill()
     result = write_checkpoint(plan, out, devices=None, head_start=head)
     assert result.head_start_shards == [f.shard.name for f in head.finished]
@@ -263,7 +263,7 @@ def test_a_checked_source_is_read_through_its_descriptors(tmp_path: Path) -> Non
         plan = plan_conversion(view)
         assert headstart.source_descriptors(plan) == tuple(sorted(f.fd for f in tree.files
                                                                   if f.rel.endswith(".safetensors")))
-        head = HeadStart(plan, out, Target.OCP)
+        head = HeadStart(plan, out, Target.OCP, ScaleMode.EXACT)
         try:
             wait_for_finished(head, len(plan.shards))
         finally:
@@ -279,7 +279,7 @@ def test_a_descriptor_among_the_standard_streams_gets_no_head_start(tmp_path: Pa
     the worker's own pipes: no worker is started, the pipeline converts everything."""
     src = sample(tmp_path / "src")
     monkeypatch.setattr(headstart, "source_descriptors", lambda plan: (2, 5))
-    assert HeadStart.start(plan_conversion(src), tmp_path, Target.OCP) is None
+    assert HeadStart.start(plan_conversion(src), tmp_path, Target.OCP, ScaleMode.EXACT) is None
 
 
 def test_the_worker_takes_no_shard_once_it_said_it_stopped(tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ class HeadStart:
     """The parent's side: starts the worker on ``plan`` into ``out``; what the pipeline asks of it. Raises OSError
     when the worker cannot be started (see :meth:`start`)."""
 
-    def __init__(self, plan: ConversionPlan, out: Path, target: Target, scale_mode: ScaleMode = ScaleMode.EXACT, *,
+    def __init__(self, plan: ConversionPlan, out: Path, target: Target, scale_mode: ScaleMode, *,
                  threads: int | None = None):
         self.plan, self.out = plan, out
         self.started = time.monotonic()
@@ -136,8 +136,7 @@ class HeadStart:
         self._feeder.start()
 
     @classmethod
-    def start(cls, plan: ConversionPlan, out: Path, target: Target, scale_mode: ScaleMode = ScaleMode.EXACT
-              ) -> HeadStart | None:
+    def start(cls, plan: ConversionPlan, out: Path, target: Target, scale_mode: ScaleMode) -> HeadStart | None:
         """A head start, or None where no worker process can be started (then the pipeline converts everything)."""
         try:
             return cls(plan, out, target, scale_mode)
