@@ -341,12 +341,15 @@ def timed(cmd: list[str], package: str | None = None, env: dict[str, str] | None
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
     # run from the package's directory: ``python -m``/``-c`` put the working directory first on sys.path, so
     # from the repository's root its own package would shadow the one asked for
-    started = time.monotonic()
+    started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=package or REPO)
-    seconds = time.monotonic() - started
+    seconds, after = time.monotonic() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     print(f"#   {(proc.stderr.strip().splitlines() or [''])[-1][:300]}", file=sys.stderr, flush=True)
+    # the CPU its processes took (their children included: the head start's worker), beside the wall time
+    print(f"#   cpu: user {after.ru_utime - before.ru_utime:.1f} s, system {after.ru_stime - before.ru_stime:.1f} s",
+          file=sys.stderr, flush=True)
     return seconds
 
 
@@ -463,6 +466,43 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
             steps[at + 2:at + 2] = [("baseline: daemon first resolve (cold)", True,
                                      lambda: daemon_first_resolve(args, root, src, str(Path(args.baseline).resolve())),
                                      None)]
+    if args.cache_modes:  # where convert --cache-dir from the page cache spends what convert --out does not
+        def cli_with(patch: str, *extra: str, before: str = "") -> Callable[[], float]:
+            code = (f"import sys, runpy\n{patch}\nsys.argv = ['transformd', *sys.argv[1:]]\n"
+                    f"runpy.run_module('transformd', run_name='__main__')")
+
+            def step() -> float:
+                if before:  # (not timed)
+                    subprocess.run([sys.executable, "-c", before], env=_child_env(), check=True, cwd=REPO)
+                return timed([sys.executable, "-c", code, *convert[3:], *extra])
+            return step
+
+        known = root / "cache-known"
+        threads = ("import blake3 as _b, types, transformd.cache.keys as k\n"  # blake3's AUTO (all cores) -> a pool
+                   "def _new(*a, max_threads=1, **kw):\n"
+                   "    return _b.blake3(*a, max_threads=THREADS if max_threads == _b.blake3.AUTO else max_threads, "
+                   "**kw)\n"
+                   "_new.AUTO = _b.blake3.AUTO\nk.blake3 = types.SimpleNamespace(blake3=_new)\n")
+        niced = ("import os, threading, transformd.cache.alongside as a\nrun = a.Hasher._run\n"
+                 "def _niced(self):\n    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)\n"
+                 "    run(self)\na.Hasher._run = _niced\n")  # (its readers and blake3 pool inherit it)
+        steps += [
+            ("convert --cache-dir, page cache, output hashed at the seal", False,
+             cli_with("import transformd.cache.seal as s\ns.DigestsAlongside._run = lambda self: None",
+                      "--cache-dir", str(root / "cache-pc")), root / "cache-pc"),
+            ("convert --cache-dir, page cache, source keyed before", False,
+             cli_with("", "--cache-dir", str(known), before=f"from transformd.cache import Cache\n"
+                      f"Cache({str(known)!r}).identity({str(src)!r})"), known),
+            ("convert --cache-dir, page cache, blake3 on 4 threads", False,
+             cli_with(threads.replace("THREADS", "4"), "--cache-dir", str(root / "cache-pc")), root / "cache-pc"),
+            ("convert --cache-dir, page cache, source hashed at nice 10", False,
+             cli_with(threads.replace("THREADS", "os.cpu_count()") + niced, "--cache-dir", str(root / "cache-pc")),
+             root / "cache-pc"),
+            ("convert --cache-dir, page cache, no head start", False,
+             cli_with("", "--cache-dir", str(root / "cache-pc"), "--no-head-start"), root / "cache-pc"),
+            ("convert --out, page cache, no head start", False,
+             cli_with("", "--out", str(root / "out"), "--no-head-start"), root / "out"),
+        ]
     if args.read_ahead_modes:  # convert --out with the start-up read-ahead (transformd/readahead.py) changed
         def out_with(patch: str) -> Callable[[], float]:
             code = (f"import sys, runpy\nimport transformd.readahead as r\n{patch}\nsys.argv = ['transformd', "
@@ -703,6 +743,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--read-ahead-modes", action="store_true",
                    help="with --whole-process: also time convert --out with its start-up read-ahead off, started "
                         "after import torch, in 1 MiB reads, at the idle I/O priority")
+    p.add_argument("--cache-modes", action="store_true",
+                   help="with --whole-process: also time, from the page cache, convert --cache-dir with the output "
+                        "hashed only at the seal, with the source keyed before (untimed), and convert --cache-dir "
+                        "and --out with --no-head-start")
     p.add_argument("--baseline-out", action="store_true",
                    help="with --baseline: also time the baseline's convert --out (cold and from the page cache)")
     p.add_argument("--baseline", default=None, metavar="DIR",
