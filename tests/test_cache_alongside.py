@@ -49,7 +49,8 @@ def hashes(monkeypatch) -> list[str]:
     """The names of the files hashed by BLAKE3 (the key's reads)."""
     seen: list[str] = []
     real = keys.hash_file
-    monkeypatch.setattr(keys, "hash_file", lambda p, *a: seen.append(os.path.basename(os.readlink(p))) or real(p, *a))
+    monkeypatch.setattr(keys, "hash_file",
+                        lambda p, *a, **k: seen.append(os.path.basename(os.readlink(p))) or real(p, *a, **k))
     return seen
 
 
@@ -95,6 +96,43 @@ def test_converted_while_hashed_under_the_key_hashing_first_gives(tmp_path, hash
     again = cache.get_or_convert(src, Recipe(target="ocp"))
     assert (again.outcome, again.path, hashes) == ("hit", entry.path, [])
     assert os.listdir(cache.staging_dir) == []
+
+
+def test_only_a_hashing_nobody_waits_on_is_kept_to_a_few_threads(tmp_path, monkeypatch):
+    """BLAKE3 on all cores is for a hashing on someone's path (a source keyed first, the seal); the source's hashing
+    beside its conversion, and the output's shards as they are finished, take ``BACKGROUND_HASH_THREADS`` (they need
+    no more to keep up, and every core they take is one less for the conversion). The digests are the same."""
+    import blake3
+
+    from transformd.cache import seal
+
+    real, threads = blake3.blake3, []
+
+    def recording(*args, max_threads=1, **kwargs):
+        if not args:  # (a file's hashing; a key is hashed from a string at once)
+            threads.append(max_threads)
+        return real(*args, max_threads=max_threads, **kwargs)
+
+    recording.AUTO = real.AUTO
+    monkeypatch.setattr(keys, "blake3", type(sys)("blake3"))
+    keys.blake3.blake3 = recording
+    monkeypatch.setattr(keys, "BACKGROUND_HASH_THREADS", 3)
+    monkeypatch.setattr(keys.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(seal, "POLL_S", 0.001)
+    src = _old(write_sample_checkpoint(tmp_path / "src", layers=2, experts=2, shards=3))
+    files = sorted(p.name for p in src.iterdir())
+    entry = _cache(tmp_path / "cache").get_or_convert(src, Recipe(target="ocp"))
+    assert "hash_alongside" in entry.manifest.timings
+    alongside = [t for t in threads if t != real.AUTO]
+    assert set(alongside) == {3} and len(alongside) >= len(files), threads  # every source file, maybe some shards
+    threads.clear()
+    first = Cache(tmp_path / "first", budget_bytes="1G").identity(src)  # keyed first: the request waits on it
+    assert threads and set(threads) == {real.AUTO}, threads
+    assert first.files == entry.manifest.source_files
+    monkeypatch.setattr(keys.os, "sched_getaffinity", lambda pid: {0})
+    shard = next(src.glob("*.safetensors"))
+    assert keys.hash_file(shard, background=True) == keys.hash_file(shard)
+    assert threads[-2:] == [1, real.AUTO], "one core: one thread"
 
 
 class _AfterTheHashing(_Counting):

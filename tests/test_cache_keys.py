@@ -26,11 +26,11 @@ def count_hashes(monkeypatch):
     calls: list[str] = []
     real = keys_mod.hash_file
 
-    def counting(path, *args):
+    def counting(path, *args, **kwargs):
         p = os.fspath(path)
         # the key code reads through checked descriptors (cache.securefs): name the file the descriptor is
         calls.append(os.readlink(p) if p.startswith("/proc/self/fd/") else p)
-        return real(path, *args)
+        return real(path, *args, **kwargs)
 
     monkeypatch.setattr(keys_mod, "hash_file", counting)
     return calls

@@ -73,7 +73,7 @@ def test_the_converter_gets_ready_while_an_unseen_source_is_hashed(tmp_path, mon
         os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
     events: list[str] = []
     real_hash = keys.hash_file
-    monkeypatch.setattr(keys, "hash_file", lambda p, *a: events.append("hash") or real_hash(p, *a))
+    monkeypatch.setattr(keys, "hash_file", lambda p, *a, **k: events.append("hash") or real_hash(p, *a, **k))
     monkeypatch.setattr(TransformdConverter, "prepare", lambda self, recipe: events.append(("prepare", recipe)))
     cache = Cache(tmp_path / "cache", budget_bytes="1G", device="cpu")
     cache.hash_alongside_min_bytes = 0

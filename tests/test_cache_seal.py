@@ -37,7 +37,7 @@ def hashed(monkeypatch):
     calls: dict[str, list[str]] = {"alongside": [], "seal": []}
 
     def recording(kind):
-        def hash_(path):
+        def hash_(path, **_):
             calls[kind].append(os.path.basename(path))
             return hash_own_file(path)
 
@@ -99,6 +99,19 @@ def test_the_thread_reads_the_shards_it_never_maps_them(tmp_path, monkeypatch):
         wait_for(lambda: early.digest(str(p), os.stat(p)) is not None, what="the shard's digest")
     assert mapped == []
     assert early.digest(str(p), os.stat(p)) == hash_own_file(p)
+
+
+def test_the_thread_hashes_on_a_few_threads(tmp_path, monkeypatch):
+    """It runs beside the conversion: BLAKE3 on ``BACKGROUND_HASH_THREADS``, not on every core (keys.hash_file)."""
+    asked: list[dict] = []
+    monkeypatch.setattr(seal_mod, "hash_file", lambda path, **kw: asked.append(kw) or hash_own_file(path))
+    out = tmp_path / "out"
+    out.mkdir()
+    p = out / "model.safetensors"
+    p.write_bytes(_shard(3))
+    with DigestsAlongside(out, poll_s=0.01) as early:
+        wait_for(lambda: early.digest(str(p), os.stat(p)) is not None, what="the shard's digest")
+    assert asked == [{"background": True}]
 
 
 def _seal_threads() -> list[threading.Thread]:

@@ -359,7 +359,8 @@ def test_the_engine_check_of_a_cache_conversion_does_not_read_the_source_twice(t
     src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)  # just written: inside the racy window
     hashed: list[str] = []
     real = keys.hash_file
-    monkeypatch.setattr(keys, "hash_file", lambda p, *a: hashed.append(os.path.basename(os.readlink(p))) or real(p, *a))
+    monkeypatch.setattr(keys, "hash_file",
+                        lambda p, *a, **k: hashed.append(os.path.basename(os.readlink(p))) or real(p, *a, **k))
     code, out, err = _run(capsys, "convert", src, "--cache-dir", tmp_path / "cache", "--device", "cpu",
                           "--engine", "vllm")
     assert code == 0 and "transformd: converted " in err[-1], err

@@ -63,10 +63,10 @@ class _Gate:
             self.opened.set()
         real = keys.hash_file
 
-        def hash_file(path, *args):
+        def hash_file(path, *args, **kwargs):
             assert self.opened.wait(60)
             self.hashed.append(os.path.basename(os.readlink(path)))
-            return real(path, *args)
+            return real(path, *args, **kwargs)
 
         monkeypatch.setattr(keys, "hash_file", hash_file)
 

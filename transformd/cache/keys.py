@@ -65,6 +65,12 @@ RACY_WINDOW_NS = 2_000_000_000
 HASH_CHUNK_BYTES = 8 << 20
 #: Threads that read a file's slices ahead of its hashing.
 _READERS = 4
+#: BLAKE3's threads for a hashing that runs beside a conversion (the source's, paced by it; the output's shards as
+#: they are finished): enough for any disk, where all cores (its ``AUTO``) are for a hashing someone waits on. On the
+#: H100 machine (16 cores), a ``convert --cache-dir`` from the page cache, whose source is hashed while the head
+#: start's worker and the pipeline convert, took 3.5 s less CPU (user) with 4 threads, in the same or less time
+#: (``benchmarks/results/convert_bench_h100_cache_modes.txt``).
+BACKGROUND_HASH_THREADS = 4
 #: Each reader thread's I/O class (``idle``: see :data:`Pace`).
 _reader = threading.local()
 
@@ -176,15 +182,24 @@ def cache_key(identity: SourceIdentity, recipe: Recipe) -> str:
     return blake3.blake3(text.encode()).hexdigest()[:KEY_HEX_LEN]
 
 
-def hash_file(path: Path | str, pace: Pace | None = None) -> str:
-    """``blake3:<hex>`` of a file's content (read, see :func:`_feed`; multi-threaded); ``pace``: see :data:`Pace`."""
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+def hash_file(path: Path | str, pace: Pace | None = None, *, background: bool = False) -> str:
+    """``blake3:<hex>`` of a file's content (read, see :func:`_feed`); ``pace``: see :data:`Pace`. On all cores, or
+    with ``background`` (a hashing beside a conversion) on :data:`BACKGROUND_HASH_THREADS`."""
+    h = blake3.blake3(max_threads=_background_threads() if background else blake3.blake3.AUTO)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         _feed(h, fd, os.fstat(fd).st_size, pace)
     finally:
         os.close(fd)
     return "blake3:" + h.hexdigest()
+
+
+def _background_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(BACKGROUND_HASH_THREADS, cores))
 
 
 def hash_own_file(path: Path | str) -> str:
@@ -484,7 +499,7 @@ def identity_of_tree(
                     actual = _claim_digest(f.fd, st.st_size, claim, paced)
                     digest = claim if actual == claim else None
                 if digest is None:
-                    digest = hash_file(f.proc_path, paced)
+                    digest = hash_file(f.proc_path, paced, background=pace is not None)
             except (OSError, ValueError) as e:
                 raise SourceError(f"cannot read {os.path.join(tree.src, rel)}: {getattr(e, 'strerror', e)}") from e
             hashed_files += 1

@@ -114,7 +114,7 @@ class DigestsAlongside:
                 self._declared[inode] = declared_size(entry.path)
             if before.st_size != self._declared[inode]:
                 return  # (still being written)
-            digest = hash_file(entry.path)  # (read: see the module)
+            digest = hash_file(entry.path, background=True)  # (read: see the module)
         except Exception:  # noqa: BLE001 - a file removed or shortened meanwhile, a header not ours: for the seal
             return
         self._digests[entry.name] = (_signature(before), digest)  # (a write since moved the change time)
