@@ -66,10 +66,11 @@ HASH_CHUNK_BYTES = 8 << 20
 #: Threads that read a file's slices ahead of its hashing.
 _READERS = 4
 #: BLAKE3's threads for a hashing that runs beside a conversion (the source's, paced by it; the output's shards as
-#: they are finished): enough for any disk, where all cores (its ``AUTO``) are for a hashing someone waits on. On the
-#: H100 machine (16 cores), a ``convert --cache-dir`` from the page cache, whose source is hashed while the head
-#: start's worker and the pipeline convert, took 3.5 s less CPU (user) with 4 threads, in the same or less time
-#: (``benchmarks/results/convert_bench_h100_cache_modes.txt``).
+#: they are finished): enough to keep up with any disk, where all cores (its ``AUTO``) are for a hashing someone waits
+#: on. On the H100 machine (16 cores), a ``convert --cache-dir`` from the page cache, whose source is hashed while the
+#: head start's worker and the pipeline convert, took 1.7-2.2 s less system CPU with 4 threads (and 4.1 s less user
+#: CPU in one of two calls), in no more time (``benchmarks/results/convert_bench_h100_cache_modes.txt``,
+#: ``..._background_hashing.txt``): cores the conversion beside it, or the node's other work, can use.
 BACKGROUND_HASH_THREADS = 4
 #: Each reader thread's I/O class (``idle``: see :data:`Pace`).
 _reader = threading.local()
