@@ -85,33 +85,24 @@ def test_a_shard_is_hashed_once_complete_and_its_digest_stands_only_for_it_uncha
     assert early.digest(str(p), os.stat(p)) is None
 
 
-def test_the_thread_reads_the_shards_it_never_maps_them(tmp_path, monkeypatch):
+def test_the_thread_reads_the_shards_on_a_few_threads_it_never_maps_them(tmp_path, monkeypatch):
     """A converter still runs while the thread hashes: a mapped file that it shortened would kill the process with
-    SIGBUS (the seal, after the converter returned, maps them)."""
+    SIGBUS (the seal, after the converter returned, maps them); and BLAKE3 takes ``BACKGROUND_HASH_THREADS``, not
+    every core, from the conversion beside it (keys.hash_file)."""
     mapped: list[object] = []
     real = mmap.mmap
     monkeypatch.setattr(mmap, "mmap", lambda *a, **k: mapped.append(a) or real(*a, **k))
-    out = tmp_path / "out"
-    out.mkdir()
-    p = out / "model.safetensors"
-    p.write_bytes(_shard(3))
-    with DigestsAlongside(out, poll_s=0.01) as early:
-        wait_for(lambda: early.digest(str(p), os.stat(p)) is not None, what="the shard's digest")
-    assert mapped == []
-    assert early.digest(str(p), os.stat(p)) == hash_own_file(p)
-
-
-def test_the_thread_hashes_on_a_few_threads(tmp_path, monkeypatch):
-    """It runs beside the conversion: BLAKE3 on ``BACKGROUND_HASH_THREADS``, not on every core (keys.hash_file)."""
     asked: list[dict] = []
-    monkeypatch.setattr(seal_mod, "hash_file", lambda path, **kw: asked.append(kw) or hash_own_file(path))
+    real_hash = seal_mod.hash_file
+    monkeypatch.setattr(seal_mod, "hash_file", lambda path, **kw: asked.append(kw) or real_hash(path, **kw))
     out = tmp_path / "out"
     out.mkdir()
     p = out / "model.safetensors"
     p.write_bytes(_shard(3))
     with DigestsAlongside(out, poll_s=0.01) as early:
         wait_for(lambda: early.digest(str(p), os.stat(p)) is not None, what="the shard's digest")
-    assert asked == [{"background": True}]
+    assert mapped == [] and asked == [{"background": True}]
+    assert early.digest(str(p), os.stat(p)) == hash_own_file(p)
 
 
 def _seal_threads() -> list[threading.Thread]:
