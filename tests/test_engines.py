@@ -234,6 +234,79 @@ def test_fnuz_output_warns_engines_and_transformers_refuses() -> None:
     assert "16 codes change" in report["vllm"].warnings[0]
 
 
+# -- the KV cache --------------------------------------------------------------------------------------------------
+
+
+def sglang_kv_cache_dtype(qc: dict) -> str:
+    """SGLang 0.5.23 with ``--kv-cache-dtype auto``: ``Fp8Config.from_config`` keeps ``kv_cache_quant_algo``
+    (``layers/quantization/fp8.py``), ``configure_kv_cache_dtype`` makes the KV cache FP8 when it is "FP8"
+    (``mem_cache/kv_cache_dtype.py``), else the model's dtype."""
+    algo = qc.get("kv_cache_quant_algo")
+    return "fp8" if isinstance(algo, str) and algo.upper() == "FP8" else "model dtype"
+
+
+def vllm_kv_cache_dtype(qc: dict) -> str:
+    """vLLM 0.33 with ``--kv-cache-dtype auto`` (``utils/torch_utils.py get_kv_cache_quant_algo_string``): a KV-cache
+    dtype is taken from a quantization config only when its ``quant_method`` starts with ``modelopt``."""
+    if not qc.get("quant_method", "").startswith("modelopt"):
+        return "model dtype"
+    inner = qc.get("quantization", qc)
+    algo = inner.get("kv_cache_scheme") or qc.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo") \
+        or qc.get("kv_cache_quant_algo")
+    if isinstance(algo, dict):
+        return "fp8" if (algo.get("dynamic") is False and algo.get("num_bits") == 8 and algo.get("type") == "float") \
+            else "model dtype"
+    return "fp8" if isinstance(algo, str) and algo.lower() == "fp8" else "model dtype"
+
+
+_FP8_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
+
+
+@pytest.mark.parametrize(
+    ("config_qc", "hf_quant", "fp8"),
+    [
+        ({"quant_method": "modelopt", "quant_algo": "MXFP8", "kv_cache_scheme": _FP8_SCHEME}, None, True),
+        (None, {"quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": "FP8"}}, True),  # ModelOpt legacy
+        ({"quant_method": "modelopt", "quantization": {"kv_cache_quant_algo": "fp8"}}, None, True),
+        ({"quant_method": "compressed-tensors", "kv_cache_scheme": {**_FP8_SCHEME, "strategy": "tensor"}}, None, True),
+        ({"quant_method": "mxfp8", "kv_cache_scheme": {**_FP8_SCHEME, "dynamic": True}}, None, False),
+        ({"quant_method": "modelopt", "kv_cache_scheme": {**_FP8_SCHEME, "num_bits": 4}}, None, False),
+        ({"quant_method": "modelopt", "kv_cache_scheme": {**_FP8_SCHEME, "type": "int"}}, None, False),
+        ({"quant_method": "mxfp8", "kv_cache_quant_algo": "NVFP4"}, None, False),
+        ({"quant_method": "modelopt", "quant_algo": "MXFP8"}, {"quantization": {"quant_algo": "MXFP8"}}, False),
+    ],
+    ids=["modelopt-config", "modelopt-hf-quant-only", "quantization-part", "compressed-tensors", "dynamic",
+         "fp4", "int8", "other-algo", "none"],
+)
+def test_an_fp8_kv_cache_asked_for_stays_fp8_in_sglang_and_vllm_is_told_the_flag(
+    tmp_path: Path, config_qc: dict | None, hf_quant: dict | None, fp8: bool
+) -> None:
+    """An input that asks for an FP8 KV cache (the sample's ModelOpt configs do, in both files) gets an FP8 KV
+    cache from the engines with their default ``--kv-cache-dtype auto`` as it would have had itself: SGLang reads
+    the output's ``kv_cache_quant_algo``; vLLM reads none from an fp8 config, so its readiness says to pass
+    ``--kv-cache-dtype fp8``. An input that asks for none gets neither."""
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config")
+    if config_qc is not None:
+        config["quantization_config"] = {**config_qc, "ignore": ["lm_head", "model.layers.*.mlp.gate"]}
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "hf_quant_config.json").unlink()
+    if hf_quant is not None:
+        (src / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    source_asks = "fp8" if fp8 else "model dtype"
+    if config_qc is not None and config_qc["quant_method"] == "modelopt":  # (what the input gets in vLLM itself)
+        assert vllm_kv_cache_dtype(config["quantization_config"]) == source_asks
+    result = convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert sglang_kv_cache_dtype(qc) == source_asks
+    assert vllm_kv_cache_dtype(qc) == "model dtype", "vLLM never takes it from an fp8 config"
+    for report in (result.readiness, readiness_of_dir(tmp_path / "out")):  # planned, and read back
+        told = [w for w in report["vllm"].warnings if "--kv-cache-dtype fp8" in w]
+        assert len(told) == (1 if fp8 else 0), report["vllm"].warnings
+        assert not any("kv-cache" in w for e in ("sglang", "transformers") for w in report[e].warnings)
+
+
 # -- target choice -------------------------------------------------------------------------------------------------
 
 
@@ -272,8 +345,9 @@ def test_engine_that_cannot_load_is_refused_before_anything_is_written(tmp_path:
     # without --engine: converted, with a warning per engine that cannot load it
     assert cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 0
     *err, summary = capsys.readouterr().err.splitlines()
-    assert len(err) == 3 and all(line.startswith("transformd: warning: ") for line in err), err
-    assert "sglang could not load this checkpoint at any TP size: TP 1: model.layers.*" in err[1]
+    assert len(err) == 4 and all(line.startswith("transformd: warning: ") for line in err), err
+    assert "vllm could not load" in err[0] and "--kv-cache-dtype fp8" in err[1]  # (the sample asks for an FP8 KV)
+    assert "sglang could not load this checkpoint at any TP size: TP 1: model.layers.*" in err[2]
     assert summary.startswith("transformd: converted ")
     assert cli.main(["inspect", str(tmp_path / "out")]) == 2
     out = capsys.readouterr().out
@@ -319,6 +393,7 @@ def test_daemon_target_auto_engine_readiness_and_refusal(tmp_path: Path, daemons
             assert r.status_code == 202 and "vllm loads block FP8 as e4m3fn" in r.json()["target_reason"]
             ready = wait_ready(http, r.json()["key"])
             assert ready["recipe"]["target"] == "ocp" and ready["readiness"]["vllm"]["loads_at"] == [1]
+            assert any("--kv-cache-dtype fp8" in w for w in ready["readiness"]["vllm"]["warnings"]), ready
             raw = http.post("/v1/checkpoints", json={"source": str(good)})  # no engine: a raw consumer on gfx942
             assert raw.json()["key"] != r.json()["key"]
             assert wait_ready(http, raw.json()["key"])["recipe"]["target"] == "fnuz"
@@ -332,6 +407,20 @@ def test_daemon_target_auto_engine_readiness_and_refusal(tmp_path: Path, daemons
             assert all(c["source"] != str(odd) for c in conversions), "nothing started for a refused request"
     finally:
         daemon.stop()
+
+
+def test_resolve_says_the_engines_warnings(capsys) -> None:
+    """``transformd resolve`` prints, from the daemon's answer, each engine's warnings beside its readiness (the
+    flag vLLM needs for an FP8 KV cache, say), for the engine named or, without ``--engine``, for all."""
+    from transformd.cli.resolve import _say_target_and_readiness
+
+    answer = {"readiness": {"vllm": {"loads_at": [1], "problems": [], "warnings": ["pass --kv-cache-dtype fp8"]},
+                            "sglang": {"loads_at": [1], "problems": [], "warnings": []}}}
+    _say_target_and_readiness(answer, "vllm")
+    assert capsys.readouterr().err.splitlines() == [
+        "transformd: vllm: loads at TP 1", "transformd: warning: vllm: pass --kv-cache-dtype fp8"]
+    _say_target_and_readiness(answer, "sglang")
+    assert capsys.readouterr().err.splitlines() == ["transformd: sglang: loads at TP 1"]
 
 
 def test_daemon_on_native_mx_serves_the_source(tmp_path: Path, daemons: Daemons) -> None:

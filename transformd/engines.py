@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .platform import Platform, detect_platform
-from .quant_config import FP8_DTYPES
+from .quant_config import FP8_DTYPES, kv_cache_fp8
 from .quant_config import TILE as BLOCK
 
 #: Tensor-parallel sizes the readiness report checks by default.
@@ -133,6 +133,7 @@ class _Model:
     architectures: tuple[str, ...]
     target: str | None
     fused_experts: tuple[str, ...] = ()  # 3-D FP8 expert stacks (``experts.gate_up_proj[.weight]``)
+    kv_cache_fp8: bool = False  # the config asks for an FP8 KV cache (:func:`transformd.quant_config.kv_cache_fp8`)
 
 
 def readiness(
@@ -184,6 +185,7 @@ def _model(config: Mapping[str, Any], tensors: Iterable[tuple[str, str, Sequence
         tuple(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else (),
         target if isinstance(target, str) else None,
         tuple(sorted(fused)),
+        kv_cache_fp8(config),
     )
 
 
@@ -206,6 +208,12 @@ def _engine_readiness(engine: Engine, m: _Model, tp_sizes: Sequence[int]) -> Eng
         out.warnings.append(
             f"{engine.value} value-casts F8_E4M3FNUZ weights into float8_e4m3fn parameters (16 codes change); "
             "use --target ocp (or --engine, which picks it)"
+        )
+    if engine is Engine.VLLM and m.kv_cache_fp8:
+        out.warnings.append(
+            "the checkpoint asks for an FP8 KV cache (kv_cache_quant_algo FP8), which vLLM reads from a ModelOpt "
+            "config only, not from an fp8 one: start it with --kv-cache-dtype fp8 to keep it (else its KV cache is "
+            "in the model's dtype, twice the memory)"
         )
     general += _mixed_precision_problems(m)
     general += _fused_expert_problems(engine, m)

@@ -30,6 +30,11 @@ TILE = 128
 EXCLUDE_KEYS = ("ignored_layers", "modules_to_not_convert", "exclude_modules", "ignore", "exclude")
 #: KV-cache settings of the input's quantization config, carried over as they are.
 KV_CACHE_KEYS = ("kv_cache_scheme", "kv_cache_quant_algo")
+#: The output's statement of an FP8 KV cache (``kv_cache_quant_algo``): SGLang's ``Fp8Config`` reads it, and with
+#: ``--kv-cache-dtype auto`` keeps the KV cache in FP8 as the input asked. vLLM takes a KV-cache dtype from a config
+#: only under ModelOpt's ``quant_method`` (``vllm/utils/torch_utils.py``, ``get_kv_cache_quant_algo_string``), never
+#: from ``fp8``: its readiness warns to pass ``--kv-cache-dtype fp8`` (:mod:`transformd.engines`).
+KV_CACHE_FP8 = "FP8"
 #: safetensors dtypes of the output's FP8 weights.
 FP8_DTYPES = ("F8_E4M3", "F8_E4M3FNUZ")
 #: safetensors dtypes of unquantized weights.
@@ -69,6 +74,27 @@ def excluded_by(module: str, patterns: Iterable[str]) -> bool:
             if fnmatch.fnmatchcase(module, pattern):
                 return True
         elif module == pattern or module.startswith(pattern + ".") or module.endswith("." + pattern):
+            return True
+    return False
+
+
+def kv_cache_fp8(config: Mapping[str, Any], hf_quant: Mapping[str, Any] | None = None) -> bool:
+    """Whether the quantization configs ask for an FP8 KV cache, in any producer's words: ``kv_cache_quant_algo``
+    ``FP8`` (ModelOpt's ``hf_quant_config.json``, SGLang), or a ``kv_cache_scheme`` of 8-bit floats that is not
+    dynamic (ModelOpt's ``config.json``, compressed-tensors; vLLM's and SGLang's reading of it), in ``config.json``'s
+    ``quantization_config``, its ``quantization`` part, or ``hf_quant_config.json``'s."""
+    qc = config.get("quantization_config")
+    places = [qc, qc.get("quantization") if isinstance(qc, dict) else None]
+    if isinstance(hf_quant, dict):
+        places += [hf_quant.get("quantization"), hf_quant]
+    for place in places:
+        if not isinstance(place, dict):
+            continue
+        algo, scheme = place.get("kv_cache_quant_algo"), place.get("kv_cache_scheme")
+        if isinstance(algo, str) and algo.upper() == KV_CACHE_FP8:
+            return True
+        if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8 \
+                and scheme.get("dynamic") is not True:
             return True
     return False
 
@@ -113,7 +139,9 @@ def output_quantization_config(
     unquantized: list[str],
     record: dict[str, Any],
 ) -> dict[str, Any]:
-    """``quantization_config`` of the output: block FP8, the exact exclusions, the input's KV-cache settings."""
+    """``quantization_config`` of the output: block FP8, the exact exclusions, the input's KV-cache settings (and
+    ``kv_cache_quant_algo: FP8`` when the input asks for an FP8 KV cache in any of its configs:
+    :func:`kv_cache_fp8`)."""
     old = config.get("quantization_config")
     old = old if isinstance(old, dict) else {}
     qc: dict[str, Any] = {
@@ -127,6 +155,8 @@ def output_quantization_config(
     for key in KV_CACHE_KEYS:
         if key in old:
             qc[key] = old[key]
+    if kv_cache_fp8(config, hf_quant):  # (the engines that read a KV-cache dtype from an fp8 config read this)
+        qc["kv_cache_quant_algo"] = KV_CACHE_FP8
     exclusions = source_exclusions(config, hf_quant)
     if exclusions:
         record = {**record, "source_exclusions": exclusions}

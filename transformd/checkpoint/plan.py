@@ -15,7 +15,7 @@ from typing import Any
 from ..engines import CHECKED_ENGINES, Engine, EngineReadiness, readiness
 from ..errors import CheckpointError, MxFormatError
 from ..formats import Target, check_pair_geometry, infer_row_block, tile_grid
-from ..quant_config import quark_row_block
+from ..quant_config import output_quantization_config, quark_row_block, unquantized_modules
 from ..readahead import INDEX_NAME
 from ..safetensors_header import Header, TensorInfo, read_header, tensor_nbytes
 
@@ -173,7 +173,9 @@ def plan_readiness(plan: ConversionPlan, target: Target | str) -> dict[str, Engi
     """Engine readiness of the output ``plan`` will write (from shapes and config alone; nothing is read)."""
     target = Target(target)
     specs = [spec for shard in plan.shards for spec in output_specs(target, shard)]
-    return readiness({**plan.config, "quantization_config": {"transformd": {"target": target.value}}}, specs)
+    qc = output_quantization_config(plan.config, plan.hf_quant_config, unquantized_modules(specs),
+                                    {"target": target.value})  # (as it will be written)
+    return readiness({**plan.config, "quantization_config": qc}, specs)
 
 
 def readiness_of_dir(path: str | os.PathLike[str]) -> dict[str, EngineReadiness]:

@@ -187,6 +187,8 @@ def _say_target_and_readiness(body: dict[str, Any], engine: str | None) -> None:
         if engine in (None, name) and isinstance(r, dict):
             said = readiness_line(r.get("loads_at") or [], r.get("problems") or [])
             print(shown(f"transformd: {name}: {said}"), file=sys.stderr)
+            for warning in r.get("warnings") or []:  # (e.g. a flag the engine needs: convert prints the same)
+                print(shown(f"transformd: warning: {name}: {warning}"), file=sys.stderr)
 
 
 def run_health(args: argparse.Namespace) -> int:
