@@ -22,7 +22,7 @@ from transformd.cache import (
     SourceError,
     default_root,
 )
-from transformd.formats import MxFormatError
+from transformd.formats import FORMAT_VERSION, MxFormatError
 
 from .support.fakes import CopyConverter, FailingConverter, write_source
 
@@ -75,7 +75,7 @@ def test_entry_layout_manifest_and_read_only_files(tmp_path):
     # manifest: recipe, source identity, every output file's size and digest, timings, result
     m = json.loads((entry.root / MANIFEST_NAME).read_text())
     assert m["key"] == entry.key
-    assert m["recipe"] == {"target": "ocp", "scale_mode": "amax", "select": None, "format_version": 1}
+    assert m["recipe"] == {"target": "ocp", "scale_mode": "amax", "select": None, "format_version": FORMAT_VERSION}
     assert {f["name"] for f in m["source"]["files"]} == set(_tree(src))
     assert m["source"]["path_hint"] == str(src)
     assert {f["name"]: f["size"] for f in m["output"]["files"]} == {k: len(v) for k, v in expected.items()}

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import transformd.report as report_module
 from transformd.errors import CheckpointError
-from transformd.formats import Target
+from transformd.formats import FORMAT_VERSION, Target
 from transformd.reference import convert_reference
 from transformd.report import (
     LEGEND,
@@ -199,7 +199,7 @@ def _convert_dir(src: Path, out: Path, target: str, scale_mode: str) -> Path:
         "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
         "ignored_layers": ["lm_head"],
-        "transformd": {"target": target, "scale_mode": scale_mode, "format_version": 1},
+        "transformd": {"target": target, "scale_mode": scale_mode, "format_version": FORMAT_VERSION},
     }
     (out / "config.json").write_text(json.dumps(config))
     return out

@@ -28,8 +28,9 @@ E4M3FN_MAX = 448.0
 E8M0_BIAS = 127
 #: E8M0 byte that means NaN.
 E8M0_NAN = 0xFF
-#: Version of the bytes transformd writes; part of every cache key.
-FORMAT_VERSION = 1
+#: Version of the bytes transformd writes; part of every cache key, raised whenever the output of the same input
+#: changes. 2: ``kv_cache_quant_algo: FP8`` in the config of an input that asks for an FP8 KV cache.
+FORMAT_VERSION = 2
 
 
 
