@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from transformd.formats import Target, tile_grid
+from transformd.formats import FORMAT_VERSION, Target, tile_grid
 from transformd.reference import convert_reference
+from transformd.quant_config import KV_CACHE_FP8, kv_cache_fp8
 from transformd.safetensors_io import read_header
 
 SHARD_A = "model-00001-of-00002.safetensors"  # BF16 only: must be carried over byte for byte
@@ -230,7 +231,7 @@ def _assert_config(src: Path, out: Path, target: str, scale_mode: str) -> None:
         "fp8", "e4m3", "dynamic", [128, 128]
     )
     rec = qc["transformd"]
-    assert (rec["target"], rec["scale_mode"], rec["format_version"]) == (target, scale_mode, 1)
+    assert (rec["target"], rec["scale_mode"], rec["format_version"]) == (target, scale_mode, FORMAT_VERSION)
     old = cfg_in.get("quantization_config", {})
     unquantized = sorted(
         name.removesuffix(".weight")
@@ -244,6 +245,8 @@ def _assert_config(src: Path, out: Path, target: str, scale_mode: str) -> None:
         assert rec["source_exclusions"]["config.json:ignore"] == old["ignore"], "kept as provenance"
     if "kv_cache_scheme" in old:
         assert qc["kv_cache_scheme"] == old["kv_cache_scheme"]
+    hf_quant = json.loads((src / "hf_quant_config.json").read_text()) if (src / "hf_quant_config.json").exists() else None
+    assert (qc.get("kv_cache_quant_algo") == KV_CACHE_FP8) == kv_cache_fp8(cfg_in, hf_quant), "an FP8 KV cache kept"
     assert not (out / "hf_quant_config.json").exists(), "the MXFP8 recipe file is not carried over"
     assert not any(
         info.dtype in ("U8", "F8_E8M0") or (info.dtype.startswith("F8_") and name + "_scale_inv" not in infos)
