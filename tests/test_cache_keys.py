@@ -53,6 +53,37 @@ def test_same_content_at_two_paths_gives_one_entry(tmp_path):
     assert ea.manifest.source_hint == str(a)
 
 
+def test_the_key_names_who_could_rewrite_the_source(tmp_path):
+    """Copies share a key only when the same people could change their bytes in place: the owners, and the groups
+    or everyone where the mode lets them write (keys.source_writers). The content ids stand for bytes read before
+    the conversion reads them again; a writer can change them in between without moving a timestamp (through a
+    memory map: test_trust_claims), and his entry must never be served for another's copy."""
+    a = write_source(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+
+    def key(src: Path) -> str:
+        return cache_key(source_identity(src), Recipe())
+
+    def chmod(src: Path, mode: int) -> None:
+        for f in src.iterdir():
+            os.chmod(f, mode)
+
+    assert key(a) == key(b) and source_identity(a).writers == (f"uid:{os.geteuid()}",)
+    chmod(b, 0o444)
+    assert key(a) == key(b), "the owner may always make his file writable"
+    chmod(b, 0o664)
+    assert key(a) != key(b) and f"gid:{os.getegid()}" in source_identity(b).writers
+    chmod(b, 0o646)
+    assert key(a) != key(b) and "other" in source_identity(b).writers
+    chmod(b, 0o644)
+    assert key(a) == key(b)
+    if os.geteuid() == 0:
+        for f in b.iterdir():
+            os.chown(f, 65534, 65534)
+        assert key(a) != key(b) and source_identity(b).writers == ("uid:65534",)
+
+
 #: A source with every kind of file a checkpoint has: shards, the index, configs, tokenizer files, others.
 EVERY_KIND_OF_FILE = {
     "config.json": b'{"model_type": "fake", "hidden_size": 128}',

@@ -49,8 +49,8 @@ def world() -> Iterator[dict[str, Any]]:
     os.chmod(private_home, 0o700)
     public = allowed / "public" / "m"
     shutil.copytree(private, public)
-    for p in [public.parent, public, *public.rglob("*")]:
-        os.chown(p, NOBODY, NOBODY)
+    for p in [public.parent, public, *public.rglob("*")]:  # the same owner, so the same writers: the same key
+        os.chown(p, OWNER, OWNER)
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
     try:
         with Daemons() as daemons:

@@ -111,3 +111,55 @@ def test_a_future_download_timestamp_does_not_keep_an_old_key(world: dict[str, A
     assert after != before, "a changed weight kept its old key because of a timestamp"
     fault_log.record(CATEGORY, "local-dir etag record with a future timestamp, weight changed in place", 2,
                      "the bytes are hashed: a new key")
+
+
+def test_bytes_changed_under_a_memory_map_never_reach_another_users_copy(world: dict[str, Any], fault_log) -> None:
+    """A write through a shared memory map whose pages are already dirty moves no timestamp: the stat cache keeps
+    the content id of the bytes hashed before, and the next conversion of that source converts other bytes under
+    that id. Before, its entry had the key of the genuine content, so the next caller of a genuine copy (another
+    user's, who could not write the attacker's files) was served the attacker's weights. The key now names who
+    could rewrite the source (keys.source_writers): the genuine copy gets a key, and a conversion, of its own."""
+    import mmap
+    import struct
+
+    from transformd.checkpoint import convert_checkpoint
+
+    from .support.daemon import wait_ready
+
+    files, http = world["files"], world["http"]
+    genuine, evil = world["allowed"] / "genuine-copy", world["allowed"] / "writable-copy"
+    for src, mode in ((genuine, 0o644), (evil, 0o666)):  # the attacker's copy: others may write it
+        src.mkdir()
+        for name, data in files.items():
+            (src / name).write_bytes(data)
+            os.chmod(src / name, mode)
+    shard = evil / SHARD_B
+    data = files[SHARD_B]
+    (n,) = struct.unpack("<Q", data[:8])
+    start = 8 + n
+    fd = os.open(shard, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, len(data)) as mm:
+            for off in range(start - start % mmap.PAGESIZE, len(data), mmap.PAGESIZE):
+                mm[off] = mm[off]  # every page of the data dirty and writable, the same bytes
+            time.sleep(2.2)  # past the stat cache's racy window: the id of these bytes is remembered
+            first = _key(world, evil)
+            assert wait_ready(http, first)["state"] == "ready"
+            before = os.stat(shard)
+            mm[start:] = b"\x7e" * (len(data) - start)  # no page fault: no timestamp moves
+            after = os.stat(shard)
+            if (before.st_mtime_ns, before.st_ctime_ns) != (after.st_mtime_ns, after.st_ctime_ns):
+                pytest.skip("this kernel moved the timestamps (the pages were written back meanwhile)")
+            r = http.post("/v1/checkpoints", json={"source": str(evil), "target": "fnuz"})
+            poisoned = r.json()["key"]
+            assert wait_ready(http, poisoned)["state"] == "ready"
+    finally:
+        os.close(fd)
+    r = http.post("/v1/checkpoints", json={"source": str(genuine), "target": "fnuz"})
+    assert r.status_code in (200, 202) and r.json()["key"] != poisoned, "the genuine copy got the attacker's entry"
+    served = Path(wait_ready(http, r.json()["key"])["path"])
+    clean = convert_checkpoint(world["allowed"] / "genuine-copy", world["allowed"].parent / "clean", target="fnuz",
+                               device="cpu").out
+    assert (served / SHARD_B).read_bytes() == (clean / SHARD_B).read_bytes()
+    fault_log.record(CATEGORY, "bytes changed through a dirty shared memory map (no timestamp moves) after keying",
+                     3, "the key names the source's writers: another's genuine copy is converted from its own bytes")

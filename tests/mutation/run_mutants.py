@@ -152,6 +152,8 @@ MUTANTS: list[Mutant] = [
     m("hashing-alongside-on-every-core", "transformd/cache/keys.py",
       "hash_file(f.proc_path, paced, background=pace is not None)", "hash_file(f.proc_path, paced)",
       ["tests/test_cache_alongside.py", "-k", "few_threads"]),
+    m("key-ignores-writers", "transformd/cache/keys.py", '           "writers": list(identity.writers)}', "}",
+      ["tests/test_cache_keys.py", "-k", "rewrite"]),
     m("stat-cache-ignores-ctime", "transformd/cache/keys.py", "tuple(old[:5]) == sig", "tuple(old[:4]) == sig[:4]",
       KEY_TESTS),
     m("key-hashes-hidden-files", "transformd/cache/securefs.py",

@@ -49,11 +49,12 @@ On-disk layout (everything a person needs can be read with ``ls`` and ``cat``)
 
 Rules
 -----
-- Keys (:mod:`.keys`): blake3 over the recipe and the sorted list of (relative name, size, content
-  id) of every non-hidden file under the source directory (recursively, following symlinks).
-  Content ids are ``blake3:`` of the bytes, or for Hugging Face hub snapshots (symlinks into
-  ``blobs/``) the blob name, ``hf-sha256:`` (LFS) or ``hf-git-sha1:`` (small files), unread; the
-  same for ``hf download --local-dir`` directories, from the etags huggingface_hub records there.
+- Keys (:mod:`.keys`): blake3 over the recipe, the sorted list of (relative name, size, content
+  id) of every non-hidden file under the source directory (recursively, following symlinks), and who
+  could rewrite those files in place (:func:`.keys.source_writers`). Content ids are ``blake3:`` of the
+  bytes, or for Hugging Face hub snapshots (symlinks into ``blobs/``) the blob name, ``hf-sha256:`` (LFS)
+  or ``hf-git-sha1:`` (small files), once the bytes were hashed and matched it; the same for
+  ``hf download --local-dir`` directories, from the etags huggingface_hub records there.
 - Publishing: the converter writes ``staging/<name>/checkpoint``; every file is digested,
   fsynced and made read-only (0444; directories 0555), ``manifest.json`` is written and fsynced,
   the staging directory is fsynced and renamed to ``entries/<key>``, and ``entries/`` is fsynced.

@@ -1,8 +1,16 @@
 """Cache keys: the recipe plus the content identity of the source checkpoint.
 
-A key is ``blake3(canonical JSON of {recipe, [(relative name, size, content id), ...]})``,
-truncated to 32 hex digits. Paths, mtimes and owners are not part of it: two copies of one
-checkpoint share a key, and one changed byte anywhere gives a new key.
+A key is ``blake3(canonical JSON of {recipe, [(relative name, size, content id), ...], writers})``,
+truncated to 32 hex digits. Paths and mtimes are not part of it: two copies of one checkpoint with the same
+writers share a key, and one changed byte anywhere gives a new key.
+
+``writers`` (:func:`source_writers`) names who could change the source's bytes in place: each file's owner,
+its group where the group may write, ``other`` where everyone may. A content id stands for the bytes that were
+hashed, and the conversion reads them again afterwards; a writer can change them in between without moving
+any timestamp (a write through a shared memory map whose pages are already dirty leaves mtime and ctime as they
+were), so the entry he gets may hold the conversion of other bytes than its key names. With the writers in
+the key such an entry is served only for sources the same people could rewrite anyway, never for another
+user's copy of that content (a shared daemon's entries are otherwise content-addressed for everyone).
 
 Content ids are prefixed by their kind:
 
@@ -22,8 +30,9 @@ lends a file another content's key, and a plain copy (``cp -r``) of the same fil
 
 The stat cache remembers, per source directory, ``(device, inode, size, mtime_ns, ctime_ns) ->
 content id`` for each file (only ids computed from the bytes, claims included once verified), so an
-unchanged checkpoint is never read twice. ``ctime`` is set by the kernel on every change and cannot
-be set by a user, so a forged timestamp cannot keep an old id. A file modified
+unchanged checkpoint is never read twice. ``ctime`` is set by the kernel on a change through a system call and
+cannot be set by a user, so a forged timestamp cannot keep an old id (a write through a memory map may not move
+it: that is what ``writers`` above confines). A file modified
 less than :data:`RACY_WINDOW_NS` before it was hashed is not remembered (its mtime may not
 change on a second write within the file system's timestamp granularity); it is hashed again
 on the next request.
@@ -41,7 +50,7 @@ import re
 import stat as stat_mod
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +64,7 @@ from .errors import InvalidKeyError, SourceChangedError, SourceError
 from .securefs import SourceTree, open_source
 
 #: Version of the key derivation itself (bump when the canonical form changes).
-KEY_SCHEMA = 1
+KEY_SCHEMA = 2  # 2: the source's writers are part of the key
 #: Hex digits of a key (128 bits).
 KEY_HEX_LEN = 32
 KEY_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -157,6 +166,8 @@ class SourceIdentity:
     hashed_bytes: int = field(compare=False, default=0)
     #: who may read the source (securefs.AccessFacts): the daemon serves it only to such callers
     access: Any = field(compare=False, repr=False, default=None)
+    #: who could change its bytes in place (:func:`source_writers`); part of the key
+    writers: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -176,9 +187,25 @@ def validate_key(key: str) -> str:
     return key
 
 
+def source_writers(stats: Iterable[os.stat_result]) -> tuple[str, ...]:
+    """Who could change the bytes of files with these stats in place (sorted): ``uid:N`` for each owner (who may
+    always give himself write permission), ``gid:N`` for each group with write permission, ``other`` when
+    everyone has it (a POSIX ACL's named writers show in the group bits, its mask). Root is not named: it can
+    write anything, the daemon's files included."""
+    found: set[str] = set()
+    for st in stats:
+        found.add(f"uid:{st.st_uid}")
+        if st.st_mode & stat_mod.S_IWGRP:
+            found.add(f"gid:{st.st_gid}")
+        if st.st_mode & stat_mod.S_IWOTH:
+            found.add("other")
+    return tuple(sorted(found))
+
+
 def cache_key(identity: SourceIdentity, recipe: Recipe) -> str:
-    """The cache key of converting ``identity`` with ``recipe``."""
-    doc = {"schema": KEY_SCHEMA, "recipe": recipe.as_dict(), "files": identity.canonical()}
+    """The cache key of converting ``identity`` with ``recipe`` (its files' content ids and its writers)."""
+    doc = {"schema": KEY_SCHEMA, "recipe": recipe.as_dict(), "files": identity.canonical(),
+           "writers": list(identity.writers)}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return blake3.blake3(text.encode()).hexdigest()[:KEY_HEX_LEN]
 
@@ -518,7 +545,8 @@ def identity_of_tree(
         records.append(FileRecord(rel, st.st_size, digest))
         position += st.st_size
         sigs.append(sig)
-    identity = SourceIdentity(tuple(records), Path(src_real), tuple(sigs), hashed_files, hashed_bytes, tree.facts())
+    identity = SourceIdentity(tuple(records), Path(src_real), tuple(sigs), hashed_files, hashed_bytes, tree.facts(),
+                              source_writers(f.st for f in tree.files))
     if before_saving is not None:
         before_saving(identity)
     if stat_cache is not None and updated != remembered:
