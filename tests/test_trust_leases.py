@@ -90,3 +90,53 @@ def test_a_caller_holds_a_bounded_number_of_leases(world: dict[str, Any], fault_
     assert status == 204
     fault_log.record(CATEGORY, f"one uid takes {tries} leases (cap {CAP})", tries,
                      f"{CAP} granted, then 429 too_many_leases; its own lease releasable")
+
+
+def test_finding_an_entry_makes_no_one_its_creator(fault_log) -> None:
+    """Only a conversion makes its caller the entry's creator (who may DELETE it). Before, any request answered
+    with an entry did, when none was recorded: after a restart, uid 65534 asked for a copy of root's checkpoint,
+    was served root's entry (found while its conversion hashed it), and could then delete it (204). Its own
+    conversions it may delete."""
+    base = short_tempdir("tdlc-")
+    os.chmod(base, 0o755)
+    allowed = base / "models"
+    src = write_sample_checkpoint(allowed / "m", layers=1, experts=2)
+    copy = allowed / "copy"
+    shutil.copytree(src, copy)
+    own = write_sample_checkpoint(allowed / "own", layers=1, experts=2, seed=1)
+    for p in [allowed, *allowed.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        if p.is_file():  # settled: a source new to the cache is then hashed while it is converted
+            os.utime(p, (p.stat().st_atime - 60, p.stat().st_mtime - 60))
+    try:
+        with Daemons() as daemons:
+            def daemon() -> Any:
+                d = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdc-", log_level="critical")
+                d.daemon.cache.hash_alongside_min_bytes = 0  # (the path of a large source: found while converting)
+                os.chmod(d.socket_path.parent, 0o755)
+                os.chmod(d.socket_path, 0o666)
+                return d
+
+            first = daemon()
+            with first.client(timeout=60) as http:
+                key = http.post("/v1/checkpoints", json={"source": str(src)}).json()["key"]
+                assert wait_ready(http, key, timeout=120)["state"] == "ready"
+            first.stop()  # the creators are the daemon's memory: a restart forgets them
+            second = daemon()
+            answers = as_uid(second.socket_path, NOBODY, [
+                ("POST", "/v1/checkpoints", {"source": str(copy)}),  # the same content: root's entry, found
+                ("DELETE", f"/v1/checkpoints/{key}", None),
+                ("POST", "/v1/checkpoints", {"source": str(own)}),
+            ])
+            assert answers[0][0] == 200 and answers[0][1]["key"] == key, answers[0]
+            assert answers[1][0] == 403, answers[1]
+            with second.client(timeout=60) as http:
+                assert http.get(f"/v1/checkpoints/{key}").json()["state"] == "ready", "the entry is still there"
+                mine = answers[2][1]["key"]
+                assert wait_ready(http, mine, timeout=120)["state"] == "ready"
+            (status, _), = as_uid(second.socket_path, NOBODY, [("DELETE", f"/v1/checkpoints/{mine}", None)])
+            assert status == 204, "a caller may delete what its request converted"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    fault_log.record(CATEGORY, "after a restart, uid 65534 asks for a copy of root's entry, then deletes it", 1,
+                     "served (200), delete 403: finding an entry makes no one its creator")

@@ -149,6 +149,7 @@ def create_app(
         max_concurrent=settings.max_concurrent_conversions,
         max_queued=settings.max_queued_conversions,
         on_change=on_change,
+        on_converted=lambda key, uid: daemon.converted(key, uid),
     )
     daemon = Daemon(settings, cache, service, entries, metrics, policy, settings.device, platform or detect_platform())
     daemon.hub = HubResolver(settings.hub_cache_dir(), policy.roots, allow_download=settings.allow_download)
@@ -357,7 +358,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         await _admit(caller, key, source, body, target)
         job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
         assert job is not None
-        return await _answer(key, job, caller, reason, body.engine, hub)
+        return await _answer(key, job, reason, body.engine, hub)
 
     async def _resolve_while_hashing(
         pending: PendingIdentity, source: str, recipe: Recipe, caller: Caller, body: CheckpointRequest,
@@ -381,7 +382,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             metrics.cache_hits.inc()
         else:
             metrics.cache_misses.inc()
-        return await _answer(key, job, caller, reason, body.engine, hub)
+        return await _answer(key, job, reason, body.engine, hub)
 
     async def _admit(caller: Caller, key: str, source: str, body: CheckpointRequest, target: str) -> None:
         """Before a request starts a job for ``key`` (unless it joins the active one): the engine's check of the
@@ -401,10 +402,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                     headers={"Retry-After": "5"},
                 )
 
-    async def _answer(key: str, job: Any, caller: Caller, reason: str | None, engine: str | None,
+    async def _answer(key: str, job: Any, reason: str | None, engine: str | None,
                       hub: dict[str, Any]) -> Response:
         """POST's answer once the request has a job for ``key``: the entry (200) if the job is done, else 202."""
-        d.creators.setdefault(key, job.uid if job.uid is not None else caller.uid)
         if job.state == "ready":
             info = await _thread(entries.info, key)
             if info is not None:

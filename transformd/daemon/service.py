@@ -189,6 +189,7 @@ class ConversionService:
         max_concurrent: int = 1,
         max_queued: int = 16,
         on_change: Callable[[], None] | None = None,
+        on_converted: Callable[[str, int | None], None] | None = None,
     ):
         self.cache = cache
         self.converter = converter
@@ -197,6 +198,8 @@ class ConversionService:
         self.max_concurrent = max(1, max_concurrent)
         self.max_queued = max(0, max_queued)
         self._on_change = on_change
+        #: told ``(key, uid)`` of each entry a job converted (not found or waited for), before its job is ready
+        self._on_converted = on_converted
         self._jobs: dict[str, Job] = {}
         self._identifying: dict[tuple[str, bool], asyncio.Future[SourceIdentity | PendingIdentity]] = {}
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -467,6 +470,8 @@ class ConversionService:
             if outcome == "converted":
                 self.metrics.conversion_seconds.observe(time.monotonic() - t0)
                 self.metrics.converted_bytes.inc(entry.manifest.total_bytes)
+                if self._on_converted is not None:
+                    self._on_converted(entry.key, job.uid)
             job.finish(entry)
         except ConversionCancelled:
             outcome = "cancelled"

@@ -116,6 +116,12 @@ class Daemon:
             self.grant(key, caller)
         return ok
 
+    def converted(self, key: str, uid: int | None) -> None:
+        """A job converted ``key`` at ``uid``'s request: that caller may delete it. Only a conversion makes a
+        creator: a request that found the entry (a copy of cached content, after a restart too) made nothing."""
+        if uid is not None:
+            self.creators.setdefault(key, uid)
+
     def refresh_gauges(self) -> None:
         """Blocking: scan the entries for the size gauges."""
         usage = self.cache.usage()
