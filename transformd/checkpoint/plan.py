@@ -16,11 +16,15 @@ from ..engines import CHECKED_ENGINES, Engine, EngineReadiness, readiness
 from ..errors import CheckpointError, MxFormatError
 from ..formats import Target, check_pair_geometry, infer_row_block, tile_grid
 from ..quant_config import output_quantization_config, quark_row_block, unquantized_modules
+from ..progress import human_bytes
 from ..readahead import INDEX_NAME
 from ..safetensors_header import Header, TensorInfo, read_header, tensor_nbytes
 
 CONFIG_NAME = "config.json"
 HF_QUANT_NAME = "hf_quant_config.json"
+#: Largest config.json, hf_quant_config.json or index read (an index of 100,000 tensors is about 10 MB): a
+#: larger one is refused before it is read, not parsed into memory many times its size.
+MAX_JSON_BYTES = 64 << 20
 SINGLE_SHARD_NAME = "model.safetensors"
 #: Scale names of an MXFP8 weight ``W`` (``X.weight``, or ``X`` in fused HF-v5 naming): ``W<suffix>``.
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
@@ -220,9 +224,14 @@ def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
         # O_NONBLOCK, then fstat: a file swapped for a FIFO after the check above is refused, never waited on
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError("is not a regular file", file=path)
-            data = json.loads(f.read().decode("utf-8"))
+            raw = f.read(MAX_JSON_BYTES + 1)  # (the size checked on what is read: a file may grow meanwhile)
+            if max(st.st_size, len(raw)) > MAX_JSON_BYTES:
+                raise CheckpointError(f"is {human_bytes(max(st.st_size, len(raw)))}, above the limit of "
+                                      f"{human_bytes(MAX_JSON_BYTES)} for a config or index file", file=path)
+            data = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError, RecursionError) as err:  # ValueError: bad UTF-8/JSON, integers past the digit limit
         raise CheckpointError(f"cannot be read as JSON: {str(err)[:200]}", file=path) from None
     if not isinstance(data, dict):
