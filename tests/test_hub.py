@@ -217,6 +217,43 @@ def test_a_ref_record_that_could_block_or_leave_the_roots_is_not_read(tmp_path: 
     assert str(tmp_path / "secret") not in str(err) and "/dev/zero" not in str(err)
 
 
+@pytest.mark.parametrize("record", ["refs/main", f"trees/{MAIN}.json"])
+def test_a_record_swapped_for_a_fifo_after_the_checks_does_not_block_the_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, record: str
+) -> None:
+    """Another user who may write the hub cache swaps a record that huggingface_hub opens by name (the ref, the
+    cached file list) for a FIFO between the checks of the repo's folder and the lookup (a helper's attack, a
+    loop of renames: 153 of 200 requests never answered, the daemon's source threads all blocked). The lookup
+    reads each record once, without blocking, and refuses a FIFO there."""
+    cache = tmp_path / "hub"
+    add_snapshot(cache, REPO_ID, MAIN, write_sample_checkpoint(tmp_path / "m", layers=1, experts=1, shards=1),
+                 refs=("main",))
+    repo = cache / "models--org--Model"
+    (repo / "trees").mkdir()
+    (repo / "trees" / f"{MAIN}.json").write_text('{"format_version": 1, "files": {}}')
+    checks = hub._check_repo_folder
+
+    def racing(storage: str, revision: str, roots) -> None:
+        checks(storage, revision, roots)
+        os.unlink(repo / record)  # the swap, right after the checks
+        os.mkfifo(repo / record)
+
+    monkeypatch.setattr(hub, "_check_repo_folder", racing)
+    roots = (os.path.realpath(cache),)
+    result: list[BaseException] = []
+    t = threading.Thread(target=lambda: _catch(result, lambda: hub.resolve_repo(REPO_ID, cache_dir=cache, roots=roots)),
+                         daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # (unblock the reader, so that the thread ends with the test)
+        with open(os.open(repo / record, os.O_WRONLY), "wb") as fifo:
+            fifo.write(MAIN.encode())
+    assert not t.is_alive(), "the lookup blocked on a FIFO"
+    (err,) = result
+    assert isinstance(err, hub.HubError) and (err.http_status, err.code) == (422, "invalid_source"), err
+    assert record in str(err)
+
+
 def _catch(out: list[BaseException], fn) -> None:
     try:
         fn()

@@ -17,7 +17,8 @@ commit hash. Its form is checked before anything is opened (no ``..``, no compon
 **Where.** The hub cache is ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``,
 else ``~/.cache/huggingface/hub`` (huggingface_hub's own order, read when asked, not at import); the daemon's
 ``--hub-cache`` overrides it. The lookup is huggingface_hub's (:func:`huggingface_hub.snapshot_download` with
-``local_files_only=True``): nothing here parses the cache layout. A repo or revision not in the cache is an
+``local_files_only=True``), on a private copy of the two records it opens by name (:func:`_lookup`): nothing
+here parses the cache layout. A repo or revision not in the cache is an
 error that says how to fetch it (``hf download org/Model --revision REV``). Only a daemon started with
 ``--allow-download`` fetches it itself (:func:`download_repo`; the token from ``HF_TOKEN`` or ``hf auth login``).
 
@@ -25,8 +26,8 @@ error that says how to fetch it (``hf download org/Model --revision REV``). Only
 added with ``--allow-hub-cache``; else a repo id is the usual 403, before anything in the cache is looked at.
 The snapshot found is then an ordinary source: every file is checked on its open descriptor
 (:mod:`transformd.cache.securefs`; a snapshot's links into ``blobs/`` stay inside the root), and a blob's
-name is a claim that :mod:`transformd.cache.keys` verifies by hashing. The cache key is the content key, so
-the same weights as a path and as a repo id share one entry.
+name is a claim that :mod:`transformd.cache.keys` verifies by hashing. The cache key is the content key (and
+its writers), so the same weights as a path and as a repo id share one entry.
 
 This module imports neither torch nor huggingface_hub at import time (the start-up hook's client uses
 :func:`is_repo_id`); huggingface_hub is imported inside the functions that look things up.
@@ -85,6 +86,8 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _MAX_REF_BYTES = 1024
 #: Most entries of one repo's folder in the hub cache checked before a lookup.
 _MAX_REPO_ENTRIES = 100_000
+#: Largest ``trees/<commit>.json`` (huggingface_hub's list of a snapshot's files) read for a lookup.
+_MAX_TREE_BYTES = 64 << 20
 
 
 class HubError(SourceError):
@@ -230,14 +233,7 @@ def _check_repo_folder(storage: str, revision: str, roots: Sequence[str] | None)
     everything in it must be a directory or a regular file, links included (a FIFO would block the lookup, a
     device would never end), and, for the daemon, lead nowhere outside the roots; the revision's record must be
     small (it holds one commit hash). A check of kinds and places, not a parse: huggingface_hub reads the files."""
-    def bad(rel: str) -> HubError:
-        err = HubError(
-            f"the hub cache folder of this repo holds {rel!r}, which is not a plain file or directory inside the "
-            "allowed roots; the daemon does not read it (remove it, or fetch the repo again)"
-        )
-        err.http_status, err.code = 422, "invalid_source"
-        return err
-
+    bad = _bad_record
     if roots is not None and not _inside(os.path.realpath(storage), roots):
         raise bad(".")
     pending, seen = [(storage, "")], 0
@@ -270,6 +266,73 @@ def _check_repo_folder(storage: str, revision: str, roots: Sequence[str] | None)
                 raise bad("refs/" + revision)
 
 
+def _read_record(storage: str, rel: str, limit: int, roots: Sequence[str] | None) -> bytes | None:
+    """The bytes of the record ``rel`` of a repo's folder (None: there is none), read as huggingface_hub would
+    read it but through one descriptor opened without blocking and checked: a regular file, at most ``limit``
+    bytes, inside the roots. A record swapped for a FIFO or a device after :func:`_check_repo_folder` looked is
+    refused, never waited on."""
+    path = os.path.join(storage, rel)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        raise _bad_record(rel) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit or (
+            roots is not None and not _inside(os.path.realpath(f"/proc/self/fd/{fd}"), roots)
+        ):
+            raise _bad_record(rel)
+        data = os.pread(fd, limit + 1, 0)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise _bad_record(rel)
+    return data
+
+
+def _bad_record(rel: str) -> HubError:
+    err = HubError(
+        f"the hub cache folder of this repo holds {rel!r}, which is not a plain file or directory inside the "
+        "allowed roots; the daemon does not read it (remove it, or fetch the repo again)"
+    )
+    err.http_status, err.code = 422, "invalid_source"
+    return err
+
+
+def _lookup(repo_id: str, revision: str, storage: str, roots: Sequence[str] | None) -> str:
+    """huggingface_hub's offline lookup (``snapshot_download(..., local_files_only=True)``: the revision's commit,
+    the snapshot, whether its cached file list says it is complete), run on a private copy of the two records it
+    opens by name (``refs/<revision>``, ``trees/<commit>.json``), each read once by :func:`_read_record`, with
+    ``snapshots`` a link to the repo's own; the snapshot found, in the repo's folder. Another user who swaps a
+    record for a FIFO between the checks and huggingface_hub's opens can then not block the lookup."""
+    import tempfile
+
+    from huggingface_hub import snapshot_download
+
+    with tempfile.TemporaryDirectory(prefix="transformd-hub-") as mirror:
+        folder = os.path.join(mirror, os.path.basename(storage))
+        commit = revision
+        if not _COMMIT.fullmatch(revision):
+            ref = _read_record(storage, os.path.join("refs", revision), _MAX_REF_BYTES, roots)
+            if ref is not None:
+                os.makedirs(os.path.dirname(os.path.join(folder, "refs", revision)), exist_ok=True)
+                with open(os.path.join(folder, "refs", revision), "wb") as f:
+                    f.write(ref)
+                commit = ref.decode("ascii", "replace")
+        if _COMMIT.fullmatch(commit):
+            tree = _read_record(storage, os.path.join("trees", commit + ".json"), _MAX_TREE_BYTES, roots)
+            if tree is not None:
+                os.makedirs(os.path.join(folder, "trees"), exist_ok=True)
+                with open(os.path.join(folder, "trees", commit + ".json"), "wb") as f:
+                    f.write(tree)
+        os.makedirs(folder, exist_ok=True)
+        os.symlink(os.path.join(storage, "snapshots"), os.path.join(folder, "snapshots"))
+        found = snapshot_download(repo_id, revision=revision, cache_dir=mirror, local_files_only=True)
+        return os.path.join(storage, "snapshots", os.path.basename(found))
+
+
 def _source_of(repo_id: str, revision: str, found: str, storage: str) -> HubSource:
     """The snapshot huggingface_hub returned, checked to be ``<repo>/snapshots/<commit>`` (the commit comes from
     a file of the cache: it must not lead anywhere else)."""
@@ -299,7 +362,6 @@ def resolve_repo(
     repo_id = check_repo_id(repo_id)
     revision = check_revision(revision)
     cache = Path(cache_dir) if cache_dir is not None else default_hub_cache()
-    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     from huggingface_hub.file_download import repo_folder_name
 
@@ -309,7 +371,7 @@ def resolve_repo(
         raise RepoNotCachedError(f"{repo_id} is not in the Hugging Face hub cache {cache}; {fetch}")
     _check_repo_folder(storage, revision, roots)
     try:
-        found = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
+        found = _lookup(repo_id, revision, storage, roots)
     except LocalEntryNotFoundError as e:
         if type(e).__name__ == "IncompleteSnapshotError":  # huggingface_hub >= 1.x knows the file list
             raise RevisionNotCachedError(
