@@ -143,3 +143,62 @@ def test_idle_tcp_connections_cannot_starve_the_unix_socket(tmp_path: Path, daem
         daemon.stop()
     fault_log.record(CATEGORY, f"{idle_n} idle TCP connections without a request (TCP limit {limit})", idle_n,
                      "unix socket answers; TCP past the limit: JSON 503; idle ones closed (JSON 408) after 1.5 s")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_one_callers_slow_sources_leave_the_others_source_threads(monkeypatch: pytest.MonkeyPatch, fault_log) -> None:
+    """Every request's source work (the hub lookup, the hashing, the checks) runs on one pool of source threads.
+    Before, one uid that asked for as many fresh sources as the pool has threads, each slow to hash (a helper
+    used sixteen sparse 20 GiB files), held them all: another caller's lookup of a cached checkpoint waited 54 s.
+    A uid's requests now take at most ``SOURCE_WORK_PER_CALLER`` of them at once (here 2 of 4)."""
+    import threading
+
+    from transformd.cache import keys
+    from transformd.daemon import service, state
+
+    from .support.callers import NOBODY, as_uid
+    from .support.daemon import wait_ready
+
+    monkeypatch.setattr(service, "SOURCE_THREADS", 4)
+    monkeypatch.setattr(state, "SOURCE_WORK_PER_CALLER", 2)
+    release = threading.Event()
+    real = keys.hash_file
+
+    def slow(path, *args, **kwargs):  # the slow sources' hashing waits (an endless file, say)
+        if "/slow" in os.readlink(path):
+            release.wait(60)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(keys, "hash_file", slow)
+    base = short_tempdir("tdf-")
+    os.chmod(base, 0o755)
+    models = base / "models"
+    cached = write_sample_checkpoint(models / "cached", layers=1, experts=1, shards=1)
+    slows = [write_sample_checkpoint(models / f"slow{i}", layers=1, experts=1, shards=1, seed=i + 1) for i in range(4)]
+    for p in [models, *models.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    pool = concurrent.futures.ThreadPoolExecutor(len(slows))
+    try:
+        with Daemons() as daemons:
+            daemon = daemons.start(cache_dir=base / "cache", allow_roots=[models], prefix="tdf-", log_level="critical")
+            os.chmod(daemon.socket_path.parent, 0o755)
+            os.chmod(daemon.socket_path, 0o666)
+            with daemon.client(timeout=60) as http:
+                key = http.post("/v1/checkpoints", json={"source": str(cached)}).json()["key"]
+                assert wait_ready(http, key)["state"] == "ready"
+                asked = [pool.submit(as_uid, daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints",
+                                                                            {"source": str(s)})]) for s in slows]
+                time.sleep(1.0)  # (the other uid's requests are in: two hashing, two waiting for its slots)
+                t = time.monotonic()
+                r = http.post("/v1/checkpoints", json={"source": str(cached)}, timeout=10)
+                took = time.monotonic() - t
+                release.set()
+                assert r.status_code == 200 and r.json()["key"] == key, r.text
+                assert took < 5.0, took
+                assert [a.result()[0][0] for a in asked] == [202] * len(slows)
+    finally:
+        release.set()
+        pool.shutdown()
+        shutil.rmtree(base, ignore_errors=True)
+    fault_log.record(CATEGORY, "one uid's fresh sources, slow to hash, as many as the source threads", len(slows),
+                     f"another caller's cached lookup answered in {took:.2f} s")

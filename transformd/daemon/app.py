@@ -56,7 +56,6 @@ GAUGE_REFRESH_S = 2.0
 log = logging.getLogger("transformd.daemon")
 
 
-
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse} for code in codes}
 
@@ -324,20 +323,25 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         tags=["checkpoints"],
     )
     async def post_checkpoint(body: CheckpointRequest, request: Request) -> Response:
-        target, reason = choose_target(body.target, body.engine, d.platform)
-        hub = await _hub_source(d, body.source, body.revision)  # {} for a path; else the repo id's snapshot
-        source = d.policy.check_syntax(hub["hub"]["snapshot"] if hub else body.source)
         caller = d.caller(request)
+        slot = d.source_slot(caller)  # held for the work on the source: a caller takes a few source threads at most
+        target, reason = choose_target(body.target, body.engine, d.platform)
+        async with slot:
+            hub = await _hub_source(d, body.source, body.revision)  # {} for a path; else the repo id's snapshot
+        source = d.policy.check_syntax(hub["hub"]["snapshot"] if hub else body.source)
         if target is None:  # native MX: the engine loads the source itself
-            real = await _thread(_readable_source, d, source, caller)
+            async with slot:
+                real = await _thread(_readable_source, d, source, caller)
             return _json({**passthrough_view(real, reason), **hub})
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
-        ident = await service.identify(source, defer=True)
+        async with slot:
+            ident = await service.identify(source, defer=True)
         if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
             answer = await _resolve_while_hashing(ident, source, recipe, caller, body, hub, reason)
             if answer is not None:
                 return answer
-            ident = await service.identify(source)  # no worker free now: hash first, answer without the queue
+            async with slot:
+                ident = await service.identify(source)  # no worker free now: hash first, answer without the queue
         missing = denied(caller, ident.access) if ident.access is not None else None
         if missing is not None:
             raise _unreadable(caller, source, missing)
@@ -402,8 +406,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                     headers={"Retry-After": "5"},
                 )
 
-    async def _answer(key: str, job: Any, reason: str | None, engine: str | None,
-                      hub: dict[str, Any]) -> Response:
+    async def _answer(key: str, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:
         """POST's answer once the request has a job for ``key``: the entry (200) if the job is done, else 202."""
         if job.state == "ready":
             info = await _thread(entries.info, key)

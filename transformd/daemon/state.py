@@ -3,6 +3,7 @@ readiness of entries, the metrics' gauges (:class:`Daemon`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -26,6 +27,9 @@ from .service import ConversionService
 from .settings import Settings
 
 log = logging.getLogger("transformd.daemon")
+
+#: A uid's requests that work on their sources at once (:meth:`Daemon.source_slot`); the rest of its requests wait.
+SOURCE_WORK_PER_CALLER = 4
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Daemon:
     hub: HubResolver | None = None
     hub_origins: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     _health_limiter: anyio.CapacityLimiter | None = None
+    _source_slots: dict[int, anyio.CapacityLimiter] = dataclasses.field(default_factory=dict)
 
     def entry_readiness(self, key: str, path: Path) -> dict[str, Any] | None:
         """Blocking: readiness of a published entry (from its config and headers), remembered per key; None when
@@ -115,6 +120,15 @@ class Daemon:
         if ok:
             self.grant(key, caller)
         return ok
+
+    def source_slot(self, caller: Caller) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Held (``async with``) by a caller's request while it works on its source (the hub lookup, the hashing,
+        the checks): at most :data:`SOURCE_WORK_PER_CALLER` of a uid's requests at once, so that one uid's slow
+        sources (fresh 20 GiB files to hash, say) keep the others' cached lookups from none of the source threads
+        (:data:`.service.SOURCE_THREADS`); an admin's are not counted."""
+        if self.is_admin(caller):
+            return contextlib.nullcontext()
+        return self._source_slots.setdefault(caller.uid, anyio.CapacityLimiter(SOURCE_WORK_PER_CALLER))
 
     def converted(self, key: str, uid: int | None) -> None:
         """A job converted ``key`` at ``uid``'s request: that caller may delete it. Only a conversion makes a
