@@ -231,7 +231,7 @@ def test_fnuz_output_warns_engines_and_transformers_refuses() -> None:
     config["quantization_config"] = {"transformd": {"target": "fnuz"}}
     report = readiness(config, [(n, "F8_E4M3FNUZ" if d == "F8_E4M3" else d, s) for n, d, s in specs])
     assert report["transformers"].loads_at == [] and report["vllm"].loads_at == [1, 2]
-    assert "16 codes change" in report["vllm"].warnings[0]
+    assert "16 codes change" in report["vllm"].warnings[0] and "safetensors >= 0.8" in report["vllm"].warnings[0]
 
 
 # -- the KV cache --------------------------------------------------------------------------------------------------

@@ -206,8 +206,9 @@ def _engine_readiness(engine: Engine, m: _Model, tp_sizes: Sequence[int]) -> Eng
         general.append("transformers has no float8_e4m3fnuz support: convert with --target ocp")
     elif engine in (Engine.VLLM, Engine.SGLANG) and m.target == "fnuz":
         out.warnings.append(
-            f"{engine.value} value-casts F8_E4M3FNUZ weights into float8_e4m3fn parameters (16 codes change); "
-            "use --target ocp (or --engine, which picks it)"
+            f"{engine.value} value-casts F8_E4M3FNUZ weights into float8_e4m3fn parameters (16 codes change), "
+            "and reads them only with safetensors >= 0.8 (older ones refuse the dtype); use --target ocp (or "
+            "--engine, which picks it)"
         )
     if engine is Engine.VLLM and m.kv_cache_fp8:
         out.warnings.append(
