@@ -14,7 +14,8 @@ user's copy of that content (a shared daemon's entries are otherwise content-add
 
 Content ids are prefixed by their kind:
 
-- ``blake3:<64 hex>``: BLAKE3 of the file's bytes (hashed with all cores, memory-mapped).
+- ``blake3:<64 hex>``: BLAKE3 of the file's bytes (read, not mapped; on all cores, or on
+  :data:`BACKGROUND_HASH_THREADS` beside a conversion).
 - ``hf-sha256:<64 hex>``: SHA-256 of the file's bytes, used for a file that *claims* it: a Hugging
   Face hub snapshot file linking to ``blobs/<sha256>`` (LFS files), or a file whose
   ``hf download --local-dir`` record (``.cache/huggingface/download/<name>.metadata``) names that etag.
@@ -26,7 +27,7 @@ hashed in the claimed kind, and the claimed id is used only when it matches; oth
 the BLAKE3 of the bytes. The download record's timestamp is ignored. So a hub snapshot and a
 local-dir download of one revision share a key once verified, a forged blob name or etag never
 lends a file another content's key, and a plain copy (``cp -r``) of the same files gets another key
-(one extra conversion). Any two plain copies of the same content share one.
+(one extra conversion). Any two plain copies of the same content with the same writers share one.
 
 The stat cache remembers, per source directory, ``(device, inode, size, mtime_ns, ctime_ns) ->
 content id`` for each file (only ids computed from the bytes, claims included once verified), so an
