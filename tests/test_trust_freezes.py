@@ -15,6 +15,7 @@ import concurrent.futures
 import os
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -151,9 +152,6 @@ def test_one_callers_slow_sources_leave_the_others_source_threads(monkeypatch: p
     Before, one uid that asked for as many fresh sources as the pool has threads, each slow to hash (a helper
     used sixteen sparse 20 GiB files), held them all: another caller's lookup of a cached checkpoint waited 54 s.
     A uid's requests now take at most ``SOURCE_WORK_PER_CALLER`` of them at once (here 2 of 4)."""
-    import threading
-
-    from transformd.cache import keys
     from transformd.daemon import service, state
 
     from .support.callers import NOBODY, as_uid
@@ -161,15 +159,7 @@ def test_one_callers_slow_sources_leave_the_others_source_threads(monkeypatch: p
 
     monkeypatch.setattr(service, "SOURCE_THREADS", 4)
     monkeypatch.setattr(state, "SOURCE_WORK_PER_CALLER", 2)
-    release = threading.Event()
-    real = keys.hash_file
-
-    def slow(path, *args, **kwargs):  # the slow sources' hashing waits (an endless file, say)
-        if "/slow" in os.readlink(path):
-            release.wait(60)
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(keys, "hash_file", slow)
+    release = _hashing_held(monkeypatch, "/slow")  # the slow sources' hashing waits (an endless file, say)
     base = short_tempdir("tdf-")
     os.chmod(base, 0o755)
     models = base / "models"
@@ -202,3 +192,66 @@ def test_one_callers_slow_sources_leave_the_others_source_threads(monkeypatch: p
         shutil.rmtree(base, ignore_errors=True)
     fault_log.record(CATEGORY, "one uid's fresh sources, slow to hash, as many as the source threads", len(slows),
                      f"another caller's cached lookup answered in {took:.2f} s")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_request_waiting_for_its_key_holds_none_of_its_callers_source_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large source new to the cache is answered once the hashing beside its conversion has the key (minutes for
+    a real model). That wait is not source work: the caller's other requests, a cached lookup here, go on with
+    their slots (``SOURCE_WORK_PER_CALLER`` is 1 here)."""
+    from transformd.daemon import state
+
+    from .support.callers import NOBODY, as_uid
+    from .support.daemon import wait_ready
+
+    monkeypatch.setattr(state, "SOURCE_WORK_PER_CALLER", 1)
+    release = _hashing_held(monkeypatch, "/big")  # the big source's hashing (beside its conversion): its key too
+    base = short_tempdir("tdk-")
+    os.chmod(base, 0o755)
+    models = base / "models"
+    cached = write_sample_checkpoint(models / "cached", layers=1, experts=1, shards=1)
+    big = write_sample_checkpoint(models / "big", layers=1, experts=1, shards=1, seed=1)
+    for p in [models, *models.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        if p.is_file():  # settled: the big one is hashed beside its conversion, the cached one is remembered
+            os.utime(p, (p.stat().st_atime - 60, p.stat().st_mtime - 60))
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        with Daemons() as daemons:
+            daemon = daemons.start(cache_dir=base / "cache", allow_roots=[models], prefix="tdk-", log_level="critical")
+            daemon.daemon.cache.hash_alongside_min_bytes = 0  # (small samples take the large sources' path)
+            os.chmod(daemon.socket_path.parent, 0o755)
+            os.chmod(daemon.socket_path, 0o666)
+            with daemon.client(timeout=60) as http:
+                key = http.post("/v1/checkpoints", json={"source": str(cached)}).json()["key"]
+                assert wait_ready(http, key)["state"] == "ready"
+            waiting = pool.submit(as_uid, daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints",
+                                                                         {"source": str(big)})])
+            time.sleep(1.0)  # (its POST waits for the key)
+            assert not waiting.done()
+            t = time.monotonic()
+            (status, body), = as_uid(daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints", {"source": str(cached)})])
+            took = time.monotonic() - t
+            release.set()
+            assert status == 200 and body["key"] == key and took < 5.0, (status, took)
+            assert waiting.result()[0][0] in (200, 202)
+    finally:
+        release.set()
+        pool.shutdown()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _hashing_held(monkeypatch: pytest.MonkeyPatch, fragment: str) -> threading.Event:
+    """Make the daemon's hashing (in this process) of any file whose real path holds ``fragment`` wait until the
+    event returned is set (at most 60 s)."""
+    from transformd.cache import keys
+
+    release, real = threading.Event(), keys.hash_file
+
+    def held(path, *args, **kwargs):
+        if fragment in os.readlink(path):
+            release.wait(60)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(keys, "hash_file", held)
+    return release
