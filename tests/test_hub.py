@@ -10,6 +10,7 @@ second branch) and by commit hash through the library, ``transformd convert``, t
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -232,6 +233,46 @@ def test_a_record_swapped_for_a_fifo_after_the_checks_does_not_block_the_lookup(
 
     monkeypatch.setattr(hub, "_check_repo_folder", racing)
     assert record in str(_refused_within_10_s(cache, unblock=repo / record))
+
+
+@pytest.mark.parametrize(
+    ("ref", "revision", "tree", "found"),
+    [
+        (MAIN, "main", None, True),
+        (MAIN, MAIN, None, True),  # a commit hash: no ref read
+        (MAIN, "main/x", None, False),  # refs/main is a file: no refs/main/x (was a 422 "not a plain file")
+        ("./" + MAIN, "main", None, False),  # not a commit hash: huggingface_hub never writes such a ref
+        (MAIN + "/", "main", None, False),
+        ("\udcff\udcfe", "main", None, False),  # not UTF-8 (was a UnicodeDecodeError, a 500 in the daemon)
+        (MAIN, "main", {"config.json": {}}, True),  # the cached file list names only files the snapshot has
+        (MAIN, "main", {"config.json": {}, "gone.safetensors": {}}, "incomplete"),
+        (MAIN, "main", {"../../outside": {}}, True),  # a name that would leave the snapshot is not looked up
+    ],
+    ids=["ref", "commit", "through-a-file", "dot-ref", "slash-ref", "bad-utf8", "listed", "incomplete", "escape"],
+)
+def test_the_lookup_follows_huggingface_hubs_offline_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ref: str,
+                                                           revision: str, tree: dict | None, found: bool | str) -> None:
+    """``refs/<revision>`` holds the commit, ``snapshots/<commit>`` is the snapshot, and it is incomplete when the
+    file list huggingface_hub caches for the commit (``trees/<commit>.json``) names a file it lacks. Read by
+    transformd (a FIFO swapped in must not block it); the hub cache named relative to the working directory, as
+    HF_HUB_CACHE may."""
+    cache = tmp_path / "hub"
+    add_snapshot(cache, REPO_ID, MAIN, write_sample_checkpoint(tmp_path / "m", layers=1, experts=1, shards=1))
+    repo = cache / "models--org--Model"
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_bytes(ref.encode("utf-8", "surrogateescape"))
+    if tree is not None:
+        (repo / "trees").mkdir()
+        (repo / "trees" / f"{MAIN}.json").write_text(json.dumps({"format_version": 1, "files": tree}))
+    monkeypatch.chdir(tmp_path)
+    if found is True:
+        got = hub.resolve_repo(REPO_ID, revision, cache_dir="hub", roots=(os.path.realpath(cache),))
+        assert (got.commit, got.snapshot) == (MAIN, repo.resolve() / "snapshots" / MAIN)
+        return
+    with pytest.raises(hub.RevisionNotCachedError) as err:
+        hub.resolve_repo(REPO_ID, revision, cache_dir="hub", roots=(os.path.realpath(cache),))
+    assert ("is incomplete" in str(err.value)) == (found == "incomplete"), err.value
+    assert "hf download org/Model" in str(err.value)
 
 
 def _refused_within_10_s(cache: Path, unblock: Path | None = None) -> hub.HubError:

@@ -16,9 +16,10 @@ commit hash. Its form is checked before anything is opened (no ``..``, no compon
 
 **Where.** The hub cache is ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``,
 else ``~/.cache/huggingface/hub`` (huggingface_hub's own order, read when asked, not at import); the daemon's
-``--hub-cache`` overrides it. The lookup is huggingface_hub's (:func:`huggingface_hub.snapshot_download` with
-``local_files_only=True``), on a private copy of the two records it opens by name (:func:`_lookup`): nothing
-here parses the cache layout. A repo or revision not in the cache is an
+``--hub-cache`` overrides it. The lookup follows huggingface_hub's offline rules
+(:func:`huggingface_hub.snapshot_download` with ``local_files_only=True``: ``refs/<revision>``, then
+``snapshots/<commit>``, incomplete when its cached file list names a missing file), done here (:func:`_lookup`)
+so that no record is opened in a way another user could block. A repo or revision not in the cache is an
 error that says how to fetch it (``hf download org/Model --revision REV``). Only a daemon started with
 ``--allow-download`` fetches it itself (:func:`download_repo`; the token from ``HF_TOKEN`` or ``hf auth login``).
 
@@ -36,6 +37,8 @@ This module imports neither torch nor huggingface_hub at import time (the start-
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
 import re
 import stat
@@ -88,6 +91,8 @@ _MAX_REF_BYTES = 1024
 _MAX_REPO_ENTRIES = 100_000
 #: Largest ``trees/<commit>.json`` (huggingface_hub's list of a snapshot's files) read for a lookup.
 _MAX_TREE_BYTES = 64 << 20
+#: The format of those lists that huggingface_hub writes (``huggingface_hub._tree_cache``); others it ignores.
+_TREE_FORMAT = 1
 
 
 class HubError(SourceError):
@@ -232,7 +237,8 @@ def _check_repo_folder(storage: str, revision: str, roots: Sequence[str] | None)
     """Before huggingface_hub opens anything of the repo's folder by name (its records of refs and file lists):
     everything in it must be a directory or a regular file, links included (a FIFO would block the lookup, a
     device would never end), and, for the daemon, lead nowhere outside the roots; the revision's record must be
-    small (it holds one commit hash). A check of kinds and places, not a parse: huggingface_hub reads the files."""
+    small (it holds one commit hash). A check of kinds and places; :func:`_lookup` reads the records it needs
+    again, each through one checked descriptor."""
     bad = _bad_record
     if roots is not None and not _inside(os.path.realpath(storage), roots):
         raise bad(".")
@@ -267,20 +273,21 @@ def _check_repo_folder(storage: str, revision: str, roots: Sequence[str] | None)
 
 
 def _read_record(storage: str, rel: str, limit: int, roots: Sequence[str] | None) -> bytes | None:
-    """The bytes of the record ``rel`` of a repo's folder (None: there is none), read as huggingface_hub would
-    read it but through one descriptor opened without blocking and checked: a regular file, at most ``limit``
-    bytes, inside the roots. A record swapped for a FIFO or a device after :func:`_check_repo_folder` looked is
-    refused, never waited on."""
-    path = os.path.join(storage, rel)
+    """The bytes of the record ``rel`` of a repo's folder (None: there is none), read through one descriptor opened
+    without blocking and checked: a regular file inside the roots, of at most ``limit`` bytes. A record swapped for
+    a FIFO or a device after :func:`_check_repo_folder` looked is refused, never waited on. Other errors (a folder
+    one may not read) are raised as they are."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        raise _bad_record(rel) from None
+        fd = os.open(os.path.join(storage, rel), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        if e.errno in (errno.ENXIO, errno.EWOULDBLOCK):  # (a FIFO or socket without a writer)
+            raise _bad_record(rel) from None
+        raise
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit or (
+        if not stat.S_ISREG(st.st_mode) or (
             roots is not None and not _inside(os.path.realpath(f"/proc/self/fd/{fd}"), roots)
         ):
             raise _bad_record(rel)
@@ -288,7 +295,10 @@ def _read_record(storage: str, rel: str, limit: int, roots: Sequence[str] | None
     finally:
         os.close(fd)
     if len(data) > limit:
-        raise _bad_record(rel)
+        err = HubError(f"the hub cache folder of this repo holds {rel!r} of more than {limit} bytes; the daemon "
+                       "does not read it (remove it, or fetch the repo again)")
+        err.http_status, err.code = 422, "invalid_source"
+        raise err
     return data
 
 
@@ -301,42 +311,59 @@ def _bad_record(rel: str) -> HubError:
     return err
 
 
-def _lookup(repo_id: str, revision: str, storage: str, roots: Sequence[str] | None) -> str:
-    """huggingface_hub's offline lookup (``snapshot_download(..., local_files_only=True)``: the revision's commit,
-    the snapshot, whether its cached file list says it is complete), run on a private copy of the two records it
-    opens by name (``refs/<revision>``, ``trees/<commit>.json``), each read once by :func:`_read_record`, with
-    ``snapshots`` a link to the repo's own; the snapshot found, in the repo's folder. Another user who swaps a
-    record for a FIFO between the checks and huggingface_hub's opens can then not block the lookup."""
-    import tempfile
+class _NotFound(Exception):
+    """:func:`_lookup` found no complete snapshot (``incomplete``: one whose cached file list names a missing file)."""
 
-    from huggingface_hub import snapshot_download
+    def __init__(self, incomplete: bool = False):
+        super().__init__()
+        self.incomplete = incomplete
 
-    with tempfile.TemporaryDirectory(prefix="transformd-hub-") as mirror:
-        folder = os.path.join(mirror, os.path.basename(storage))
-        commit = revision
-        if not _COMMIT.fullmatch(revision):
-            ref = _read_record(storage, os.path.join("refs", revision), _MAX_REF_BYTES, roots)
-            if ref is not None:
-                os.makedirs(os.path.dirname(os.path.join(folder, "refs", revision)), exist_ok=True)
-                with open(os.path.join(folder, "refs", revision), "wb") as f:
-                    f.write(ref)
-                commit = ref.decode("ascii", "replace")
-        if _COMMIT.fullmatch(commit):
-            tree = _read_record(storage, os.path.join("trees", commit + ".json"), _MAX_TREE_BYTES, roots)
-            if tree is not None:
-                os.makedirs(os.path.join(folder, "trees"), exist_ok=True)
-                with open(os.path.join(folder, "trees", commit + ".json"), "wb") as f:
-                    f.write(tree)
-        os.makedirs(folder, exist_ok=True)
-        os.symlink(os.path.join(storage, "snapshots"), os.path.join(folder, "snapshots"))
-        found = snapshot_download(repo_id, revision=revision, cache_dir=mirror, local_files_only=True)
-        return os.path.join(storage, "snapshots", os.path.basename(found))
+
+def _lookup(storage: str, revision: str, roots: Sequence[str] | None) -> str:
+    """The snapshot of the repo whose hub cache folder is ``storage`` at ``revision``, found by huggingface_hub's
+    rules for an offline lookup (``snapshot_download(..., local_files_only=True)``): a branch or tag is the commit
+    that ``refs/<revision>`` holds; the snapshot is ``snapshots/<commit>``; it is incomplete when the file list that
+    huggingface_hub caches for the commit (``trees/<commit>.json``) names a file it lacks. Done here, not by
+    huggingface_hub, because it opens those records by name: another user who may write a shared hub cache could
+    swap one for a FIFO after :func:`_check_repo_folder` looked, and block it for good. Each record is read once
+    (:func:`_read_record`). Raises :class:`_NotFound`."""
+    storage = os.path.abspath(storage)
+    commit = revision
+    if not _COMMIT.fullmatch(revision):
+        ref = _read_record(storage, os.path.join("refs", revision), _MAX_REF_BYTES, roots)
+        commit = "" if ref is None else ref.decode("ascii", "replace")
+    snapshot = os.path.join(storage, "snapshots", commit)
+    if not _COMMIT.fullmatch(commit) or not os.path.isdir(snapshot):
+        raise _NotFound
+    tree = _read_record(storage, os.path.join("trees", commit + ".json"), _MAX_TREE_BYTES, roots)
+    if tree is not None and _lacks_listed_files(tree, snapshot):
+        raise _NotFound(incomplete=True)
+    return snapshot
+
+
+def _lacks_listed_files(tree: bytes, snapshot: str) -> bool:
+    """Whether ``snapshot`` lacks a file that huggingface_hub's cached list ``tree`` names (its own rule: a list it
+    cannot read, or of another format, says nothing; names that would leave the snapshot are not looked up)."""
+    try:
+        data = json.loads(tree)
+        files = data.get("files") if data.get("format_version") == _TREE_FORMAT else None
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(files, dict):
+        return False
+    for name in files:
+        parts = name.split("/") if isinstance(name, str) else [".."]
+        if any(p in ("", ".", "..") for p in parts):
+            continue
+        if not os.path.isfile(os.path.join(snapshot, *parts)):
+            return True
+    return False
 
 
 def _source_of(repo_id: str, revision: str, found: str, storage: str) -> HubSource:
-    """The snapshot huggingface_hub returned, checked to be ``<repo>/snapshots/<commit>`` (the commit comes from
-    a file of the cache: it must not lead anywhere else)."""
-    path = Path(found)  # huggingface_hub resolves the cache directory's own links first
+    """The snapshot found, checked to be ``<repo>/snapshots/<commit>`` (the commit comes from a file of the cache:
+    it must not lead anywhere else)."""
+    path = Path(found)
     if os.path.realpath(path.parent) != os.path.realpath(os.path.join(storage, "snapshots")) or not _COMMIT.fullmatch(
         path.name
     ):
@@ -362,7 +389,6 @@ def resolve_repo(
     repo_id = check_repo_id(repo_id)
     revision = check_revision(revision)
     cache = Path(cache_dir) if cache_dir is not None else default_hub_cache()
-    from huggingface_hub.errors import LocalEntryNotFoundError
     from huggingface_hub.file_download import repo_folder_name
 
     storage = os.path.join(cache, repo_folder_name(repo_id=repo_id, repo_type="model"))
@@ -371,9 +397,9 @@ def resolve_repo(
         raise RepoNotCachedError(f"{repo_id} is not in the Hugging Face hub cache {cache}; {fetch}")
     _check_repo_folder(storage, revision, roots)
     try:
-        found = _lookup(repo_id, revision, storage, roots)
-    except LocalEntryNotFoundError as e:
-        if type(e).__name__ == "IncompleteSnapshotError":  # huggingface_hub >= 1.x knows the file list
+        found = _lookup(storage, revision, roots)
+    except _NotFound as e:
+        if e.incomplete:
             raise RevisionNotCachedError(
                 f"the cached snapshot of {repo_id} at {revision} in {cache} is incomplete (an interrupted "
                 f"download?); {fetch}"
