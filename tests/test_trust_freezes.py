@@ -241,6 +241,63 @@ def test_a_request_waiting_for_its_key_holds_none_of_its_callers_source_slots(mo
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_callers_engine_checks_take_its_source_slots_and_its_own_conversion_is_not_deleted_under_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine check of a new source (``engine`` in the request: the output's readiness from its headers) is
+    source work too: a uid's run at most ``SOURCE_WORK_PER_CALLER`` at once (before, all of them ran together, on
+    the thread pool of cached lookups), after its limit of queued conversions. And a caller that DELETEs its own
+    conversion while it runs hears 409 conversion_in_progress (before: 403 not_owner, as its creator is known only
+    once it is converted)."""
+    from transformd.daemon import app as app_module
+    from transformd.daemon import state
+
+    from .support.callers import NOBODY, as_uid
+    from .support.fakes import CopyConverter
+
+    monkeypatch.setattr(state, "SOURCE_WORK_PER_CALLER", 2)
+    running, peak, lock = [0], [0], threading.Lock()
+    real = app_module._plan_readiness
+
+    def counted(*args, **kwargs):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.3)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(app_module, "_plan_readiness", counted)
+    base = short_tempdir("tde-")
+    os.chmod(base, 0o755)
+    models = base / "models"
+    sources = [write_sample_checkpoint(models / f"m{i}", layers=1, experts=1, shards=1, seed=i) for i in range(6)]
+    for p in [models, *models.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    pool = concurrent.futures.ThreadPoolExecutor(len(sources))
+    try:
+        with Daemons() as daemons:
+            daemon = daemons.start(CopyConverter(delay=3.0), cache_dir=base / "cache", allow_roots=[models],
+                                   prefix="tde-", log_level="critical", max_queued_per_caller=8)
+            os.chmod(daemon.socket_path.parent, 0o755)
+            os.chmod(daemon.socket_path, 0o666)
+            asked = [pool.submit(as_uid, daemon.socket_path, NOBODY, [
+                ("POST", "/v1/checkpoints", {"source": str(s), "engine": "transformers"})]) for s in sources]
+            answers = [a.result()[0] for a in asked]
+            assert [status for status, _ in answers] == [202] * len(sources), answers
+            assert peak[0] == 2, peak
+            ((status, deleted),) = as_uid(daemon.socket_path, NOBODY, [
+                ("DELETE", f"/v1/checkpoints/{answers[-1][1]['key']}", None)])  # (3 s a conversion: still on)
+            assert status == 409 and deleted["error"]["code"] == "conversion_in_progress", (status, deleted)
+    finally:
+        pool.shutdown()
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def _hashing_held(monkeypatch: pytest.MonkeyPatch, fragment: str) -> threading.Event:
     """Make the daemon's hashing (in this process) of any file whose real path holds ``fragment`` wait until the
     event returned is set (at most 60 s)."""

@@ -389,22 +389,19 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         return await _answer(key, job, reason, body.engine, hub)
 
     async def _admit(caller: Caller, key: str, source: str, body: CheckpointRequest, target: str) -> None:
-        """Before a request starts a job for ``key`` (unless it joins the active one): the engine's check of the
-        converted checkpoint (from the headers; 422) and the caller's limit of queued conversions (429)."""
+        """Before a request starts a job for ``key`` (unless it joins the active one): the caller's limit of queued
+        conversions (429), then the engine's check of the converted checkpoint (from the headers, in a source slot;
+        422)."""
         job = service.job(key)
-        if body.engine is not None and (job is None or not job.active):
-            report = await _thread(_plan_readiness, d, source, body.select, target)
+        joins = job is not None and job.active
+        if not joins and not d.is_admin(caller) and service.queued_by(caller.uid) >= d.settings.max_queued_per_caller:
+            raise ApiError(429, "caller_queue_full", f"{caller.describe()} already has "
+                           f"{d.settings.max_queued_per_caller} conversions queued or running; wait for them",
+                           headers={"Retry-After": "5"})
+        if body.engine is not None and not joins:
+            async with d.source_slot(caller):  # (it reads the source's headers)
+                report = await _thread(_plan_readiness, d, source, body.select, target)
             _check_engine(report, body.engine)
-        if not d.is_admin(caller) and service.queued_by(caller.uid) >= d.settings.max_queued_per_caller:
-            job = service.job(key)
-            if job is None or not job.active:
-                raise ApiError(
-                    429,
-                    "caller_queue_full",
-                    f"{caller.describe()} already has {d.settings.max_queued_per_caller} conversions queued or "
-                    "running; wait for them",
-                    headers={"Retry-After": "5"},
-                )
 
     async def _answer(key: str, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:
         """POST's answer once the request has a job for ``key``: the entry (200) if the job is done, else 202."""
@@ -458,6 +455,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         check_key(key)
         caller = await authorize(request, key)
         job = service.job(key)
+        if job is not None and job.active:  # (its creator is known once it is converted)
+            raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is being converted; delete it when ready")
         if not d.is_admin(caller) and d.creators.get(key) != caller.uid:
             raise ApiError(
                 403,
@@ -465,8 +464,6 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 f"{caller.describe()} did not create checkpoint {key}: only the caller whose request converted it "
                 "(or an admin) may delete it",
             )
-        if job is not None and job.active:
-            raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is being converted; delete it when ready")
         try:
             await anyio.to_thread.run_sync(cache.rm, key)
         except EntryNotFoundError:
