@@ -82,6 +82,26 @@ def test_the_key_names_who_could_rewrite_the_source(tmp_path):
         for f in b.iterdir():
             os.chown(f, 65534, 65534)
         assert key(a) != key(b) and source_identity(b).writers == ("uid:65534",)
+        for f in b.iterdir():
+            os.chown(f, os.geteuid(), os.getegid())
+    assert key(a) == key(b)
+    # a POSIX ACL's named writers show in the mode only as the group's (its mask): the ACL itself is named
+    for src, named in ((a, 1234), (b, 4321)):
+        for f in src.iterdir():
+            try:
+                os.setxattr(f, "system.posix_acl_access", _acl(user_rw=named))
+            except OSError as e:
+                pytest.skip(f"no POSIX ACLs here: {e}")
+    assert source_identity(a).writers[0].startswith("acl:") and key(a) != key(b)
+
+
+def _acl(user_rw: int) -> bytes:
+    """A POSIX access ACL (the kernel's xattr form): owner rw, user ``user_rw`` rw, group r, mask rw, other r."""
+    import struct
+
+    none = 0xFFFFFFFF
+    entries = [(0x01, 6, none), (0x02, 6, user_rw), (0x04, 4, none), (0x10, 6, none), (0x20, 4, none)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, uid) for tag, perm, uid in entries)
 
 
 #: A source with every kind of file a checkpoint has: shards, the index, configs, tokenizer files, others.

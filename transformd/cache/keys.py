@@ -5,12 +5,12 @@ truncated to 32 hex digits. Paths and mtimes are not part of it: two copies of o
 writers share a key, and one changed byte anywhere gives a new key.
 
 ``writers`` (:func:`source_writers`) names who could change the source's bytes in place: each file's owner,
-its group where the group may write, ``other`` where everyone may. A content id stands for the bytes that were
-hashed, and the conversion reads them again afterwards; a writer can change them in between without moving
-any timestamp (a write through a shared memory map whose pages are already dirty leaves mtime and ctime as they
-were), so the entry he gets may hold the conversion of other bytes than its key names. With the writers in
-the key such an entry is served only for sources the same people could rewrite anyway, never for another
-user's copy of that content (a shared daemon's entries are otherwise content-addressed for everyone).
+its group where the group may write, ``other`` where everyone may, its POSIX ACL. A content id stands for the
+bytes that were hashed, and the conversion reads them again afterwards; a writer can change them in between
+without moving any timestamp (a write through a shared memory map whose pages are already dirty leaves mtime and
+ctime as they were), so the entry he gets may hold the conversion of other bytes than its key names. With the
+writers in the key such an entry is served only for sources the same people could rewrite anyway, never for
+another user's copy of that content (a shared daemon's entries are otherwise content-addressed for everyone).
 
 Content ids are prefixed by their kind:
 
@@ -25,7 +25,7 @@ Content ids are prefixed by their kind:
 A claim is a hint, never proof: the file's bytes are read (through the checked descriptor) and
 hashed in the claimed kind, and the claimed id is used only when it matches; otherwise the id is
 the BLAKE3 of the bytes. The download record's timestamp is ignored. So a hub snapshot and a
-local-dir download of one revision share a key once verified, a forged blob name or etag never
+local-dir download of one revision share a key once verified (with the same writers), a forged blob name or etag never
 lends a file another content's key, and a plain copy (``cp -r``) of the same files gets another key
 (one extra conversion). Any two plain copies of the same content with the same writers share one.
 
@@ -188,18 +188,24 @@ def validate_key(key: str) -> str:
     return key
 
 
-def source_writers(stats: Iterable[os.stat_result]) -> tuple[str, ...]:
-    """Who could change the bytes of files with these stats in place (sorted): ``uid:N`` for each owner (who may
-    always give himself write permission), ``gid:N`` for each group with write permission, ``other`` when
-    everyone has it (a POSIX ACL's named writers show in the group bits, its mask). Root is not named: it can
-    write anything, the daemon's files included."""
+def source_writers(files: Iterable[tuple[int, os.stat_result]]) -> tuple[str, ...]:
+    """Who could change the bytes of these files (open descriptors and their stats) in place, sorted: ``uid:N``
+    for each owner (who may always give himself write permission), ``gid:N`` for each group with write
+    permission, ``other`` when everyone has it, and ``acl:<digest>`` for each POSIX access ACL (its named users
+    and groups, whose write permission shows in the mode only as the group's). Root is not named: it can write
+    anything, the daemon's files included. (ACLs a file system keeps elsewhere, NFSv4's, are not seen.)"""
     found: set[str] = set()
-    for st in stats:
+    for fd, st in files:
         found.add(f"uid:{st.st_uid}")
         if st.st_mode & stat_mod.S_IWGRP:
             found.add(f"gid:{st.st_gid}")
         if st.st_mode & stat_mod.S_IWOTH:
             found.add("other")
+        try:
+            acl = os.getxattr(fd, "system.posix_acl_access")
+        except OSError:  # none, or no ACLs on this file system
+            continue
+        found.add("acl:" + blake3.blake3(acl).hexdigest()[:32])
     return tuple(sorted(found))
 
 
@@ -547,7 +553,7 @@ def identity_of_tree(
         position += st.st_size
         sigs.append(sig)
     identity = SourceIdentity(tuple(records), Path(src_real), tuple(sigs), hashed_files, hashed_bytes, tree.facts(),
-                              source_writers(f.st for f in tree.files))
+                              source_writers((f.fd, f.st) for f in tree.files))
     if before_saving is not None:
         before_saving(identity)
     if stat_cache is not None and updated != remembered:
