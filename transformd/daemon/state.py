@@ -128,7 +128,10 @@ class Daemon:
         (:data:`.service.SOURCE_THREADS`); an admin's are not counted."""
         if self.is_admin(caller):
             return contextlib.nullcontext()
-        return self._source_slots.setdefault(caller.uid, anyio.CapacityLimiter(SOURCE_WORK_PER_CALLER))
+        slots = self._source_slots.get(caller.uid)
+        if slots is None:
+            slots = self._source_slots[caller.uid] = anyio.CapacityLimiter(SOURCE_WORK_PER_CALLER)
+        return slots
 
     def converted(self, key: str, uid: int | None) -> None:
         """A job converted ``key`` at ``uid``'s request: that caller may delete it. Only a conversion makes a
