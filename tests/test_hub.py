@@ -275,6 +275,17 @@ def test_the_lookup_follows_huggingface_hubs_offline_rules(tmp_path: Path, monke
     assert "hf download org/Model" in str(err.value)
 
 
+def test_a_record_too_large_for_what_it_holds_is_not_read(tmp_path: Path) -> None:
+    cache = tmp_path / "hub"
+    add_snapshot(cache, REPO_ID, MAIN, write_sample_checkpoint(tmp_path / "m", layers=1, experts=1, shards=1))
+    (cache / "models--org--Model" / "refs").mkdir()
+    (cache / "models--org--Model" / "refs" / "main").write_text(MAIN + " " * 2000)
+    with pytest.raises(hub.HubError) as err:
+        hub.resolve_repo(REPO_ID, cache_dir=cache, roots=(os.path.realpath(cache),))
+    assert (err.value.http_status, err.value.code) == (422, "invalid_source")
+    assert "more than 1024 bytes" in str(err.value)
+
+
 def _refused_within_10_s(cache: Path, unblock: Path | None = None) -> hub.HubError:
     """The error of looking ``REPO_ID`` up in ``cache`` (the daemon's roots: the cache), which must come within
     10 s: a 422 invalid_source. ``unblock``: a FIFO to write to if the lookup blocked on it (so the thread ends)."""

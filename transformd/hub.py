@@ -36,7 +36,6 @@ This module imports neither torch nor huggingface_hub at import time (the start-
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -85,7 +84,7 @@ REPO_ID_PATTERN = r"^[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*/[A-Za-z0-9]+(?:[._-][A-Z
 REVISION_PATTERN = r"^[A-Za-z0-9_]+(?:[.+-][A-Za-z0-9_]+)*(?:/[A-Za-z0-9_]+(?:[.+-][A-Za-z0-9_]+)*)*$"
 _REVISION = re.compile(REVISION_PATTERN)
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-#: Largest ``refs/<revision>`` file huggingface_hub is allowed to read (it holds one commit hash).
+#: Largest ``refs/<revision>`` read for a lookup (it holds one commit hash).
 _MAX_REF_BYTES = 1024
 #: Most entries of one repo's folder in the hub cache checked before a lookup.
 _MAX_REPO_ENTRIES = 100_000
@@ -236,9 +235,8 @@ def _inside(real: str, roots: Sequence[str]) -> bool:
 def _check_repo_folder(storage: str, revision: str, roots: Sequence[str] | None) -> None:
     """Before huggingface_hub opens anything of the repo's folder by name (its records of refs and file lists):
     everything in it must be a directory or a regular file, links included (a FIFO would block the lookup, a
-    device would never end), and, for the daemon, lead nowhere outside the roots; the revision's record must be
-    small (it holds one commit hash). A check of kinds and places; :func:`_lookup` reads the records it needs
-    again, each through one checked descriptor."""
+    device would never end), and, for the daemon, lead nowhere outside the roots. A check of kinds and places;
+    :func:`_lookup` reads the records it needs, each through one checked descriptor (sizes included)."""
     bad = _bad_record
     if roots is not None and not _inside(os.path.realpath(storage), roots):
         raise bad(".")
@@ -265,11 +263,6 @@ def _check_repo_folder(storage: str, revision: str, roots: Sequence[str] | None)
                 raise bad(rel)
             if stat.S_ISDIR(st.st_mode) and not link:
                 pending.append((e.path, rel + "/"))
-    if not _COMMIT.fullmatch(revision):
-        ref = os.path.join(storage, "refs", revision)
-        with contextlib.suppress(OSError):
-            if os.stat(ref).st_size > _MAX_REF_BYTES:
-                raise bad("refs/" + revision)
 
 
 def _read_record(storage: str, rel: str, limit: int, roots: Sequence[str] | None) -> bytes | None:
