@@ -300,10 +300,11 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     async def authorize(request: Request, key: str) -> Caller:
         """The caller, if it may be served ``key``: it could read the key's source itself (or is an admin)."""
         caller = d.caller(request)
-        if d.may_see(key, caller) or await anyio.to_thread.run_sync(
-            d.check_source_of, key, caller, limiter=service.source_limiter()
-        ):
+        if d.may_see(key, caller):
             return caller
+        async with d.source_slot(caller):  # (it opens the key's source)
+            if await anyio.to_thread.run_sync(d.check_source_of, key, caller, limiter=service.source_limiter()):
+                return caller
         raise ApiError(
             403,
             "permission_denied",
