@@ -466,17 +466,20 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
             steps[at + 2:at + 2] = [("baseline: daemon first resolve (cold)", True,
                                      lambda: daemon_first_resolve(args, root, src, str(Path(args.baseline).resolve())),
                                      None)]
+
+    def cli_with(patch: str, *extra: str, before: str = "") -> Callable[[], float]:
+        """A step: ``transformd convert SRC`` with ``extra`` arguments, after ``patch`` ran in its process (and
+        ``before``, untimed, in one of its own)."""
+        code = (f"import sys, runpy\n{patch}\nsys.argv = ['transformd', *sys.argv[1:]]\n"
+                f"runpy.run_module('transformd', run_name='__main__')")
+
+        def step() -> float:
+            if before:
+                subprocess.run([sys.executable, "-c", before], env=_child_env(), check=True, cwd=REPO)
+            return timed([sys.executable, "-c", code, *convert[3:], *extra])
+        return step
+
     if args.cache_modes:  # where convert --cache-dir from the page cache spends what convert --out does not
-        def cli_with(patch: str, *extra: str, before: str = "") -> Callable[[], float]:
-            code = (f"import sys, runpy\n{patch}\nsys.argv = ['transformd', *sys.argv[1:]]\n"
-                    f"runpy.run_module('transformd', run_name='__main__')")
-
-            def step() -> float:
-                if before:  # (not timed)
-                    subprocess.run([sys.executable, "-c", before], env=_child_env(), check=True, cwd=REPO)
-                return timed([sys.executable, "-c", code, *convert[3:], *extra])
-            return step
-
         known = root / "cache-known"
         steps += [
             ("convert --cache-dir, page cache, output hashed at the seal", False,
@@ -495,9 +498,7 @@ def whole_process(args: argparse.Namespace, root: Path, sample: dict[str, Any]) 
         ]
     if args.read_ahead_modes:  # convert --out with the start-up read-ahead (transformd/readahead.py) changed
         def out_with(patch: str) -> Callable[[], float]:
-            code = (f"import sys, runpy\nimport transformd.readahead as r\n{patch}\nsys.argv = ['transformd', "
-                    f"*sys.argv[1:]]\nrunpy.run_module('transformd', run_name='__main__')")
-            return lambda: timed([sys.executable, "-c", code, *convert[3:], "--out", str(root / "out")])
+            return cli_with(f"import transformd.readahead as r\n{patch}", "--out", str(root / "out"))
 
         at = [name for name, *_ in steps].index("convert SRC --out D") + 1
         steps[at:at] = [(f"convert --out, read-ahead {mode}", True, out_with(patch), root / "out") for mode, patch in (
