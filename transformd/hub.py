@@ -232,11 +232,11 @@ def _inside(real: str, roots: Sequence[str]) -> bool:
     return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
-def _check_repo_folder(storage: str, revision: str, roots: Sequence[str] | None) -> None:
-    """Before huggingface_hub opens anything of the repo's folder by name (its records of refs and file lists):
-    everything in it must be a directory or a regular file, links included (a FIFO would block the lookup, a
-    device would never end), and, for the daemon, lead nowhere outside the roots. A check of kinds and places;
-    :func:`_lookup` reads the records it needs, each through one checked descriptor (sizes included)."""
+def _check_repo_folder(storage: str, roots: Sequence[str] | None) -> None:
+    """Before the repo's folder is looked into: everything in it must be a directory or a regular file, links
+    included (a FIFO would block a reader, a device would never end), and, for the daemon, lead nowhere outside the
+    roots. A check of kinds and places; :func:`_lookup` reads the records it needs, each through one checked
+    descriptor (sizes included), since one may be swapped after this looked."""
     bad = _bad_record
     if roots is not None and not _inside(os.path.realpath(storage), roots):
         raise bad(".")
@@ -288,18 +288,13 @@ def _read_record(storage: str, rel: str, limit: int, roots: Sequence[str] | None
     finally:
         os.close(fd)
     if len(data) > limit:
-        err = HubError(f"the hub cache folder of this repo holds {rel!r} of more than {limit} bytes; the daemon "
-                       "does not read it (remove it, or fetch the repo again)")
-        err.http_status, err.code = 422, "invalid_source"
-        raise err
+        raise _bad_record(rel, f" of more than {limit} bytes")
     return data
 
 
-def _bad_record(rel: str) -> HubError:
-    err = HubError(
-        f"the hub cache folder of this repo holds {rel!r}, which is not a plain file or directory inside the "
-        "allowed roots; the daemon does not read it (remove it, or fetch the repo again)"
-    )
+def _bad_record(rel: str, what: str = ", which is not a plain file or directory inside the allowed roots") -> HubError:
+    err = HubError(f"the hub cache folder of this repo holds {rel!r}{what}; the daemon does not read it (remove it, "
+                   "or fetch the repo again)")
     err.http_status, err.code = 422, "invalid_source"
     return err
 
@@ -388,7 +383,7 @@ def resolve_repo(
     fetch = f"fetch it with: {_fetch_hint(repo_id, revision, cache)}{hint}"
     if not os.path.isdir(storage):
         raise RepoNotCachedError(f"{repo_id} is not in the Hugging Face hub cache {cache}; {fetch}")
-    _check_repo_folder(storage, revision, roots)
+    _check_repo_folder(storage, roots)
     try:
         found = _lookup(storage, revision, roots)
     except _NotFound as e:
