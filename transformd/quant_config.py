@@ -41,21 +41,26 @@ FP8_DTYPES = ("F8_E4M3", "F8_E4M3FNUZ")
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
-def source_exclusions(config: Mapping[str, Any], hf_quant: Mapping[str, Any] | None) -> dict[str, list[str]]:
-    """Every excluded-module list of the input, by where it was found (``config.json:ignore``, ...), as given."""
+def _input_places(config: Mapping[str, Any], hf_quant: Mapping[str, Any] | None) -> list[tuple[str, dict]]:
+    """The parts of the input's quantization configs that state its recipe, by name: config.json's
+    ``quantization_config``, its ``quantization`` part, and hf_quant_config.json's ``quantization`` part and top."""
     qc = config.get("quantization_config")
     places: list[tuple[str, Any]] = [("config.json", qc)]
     if isinstance(qc, dict):
         places.append(("config.json:quantization", qc.get("quantization")))
     if hf_quant is not None:
         places += [("hf_quant_config.json:quantization", hf_quant.get("quantization")), ("hf_quant_config.json", hf_quant)]
+    return [(where, place) for where, place in places if isinstance(place, dict)]
+
+
+def source_exclusions(config: Mapping[str, Any], hf_quant: Mapping[str, Any] | None) -> dict[str, list[str]]:
+    """Every excluded-module list of the input, by where it was found (``config.json:ignore``, ...), as given."""
     found: dict[str, list[str]] = {}
-    for where, place in places:
-        if isinstance(place, dict):
-            for key in EXCLUDE_KEYS:
-                value = place.get(key)
-                if isinstance(value, list) and all(isinstance(v, str) for v in value):
-                    found[f"{where}:{key}"] = list(value)
+    for where, place in _input_places(config, hf_quant):
+        for key in EXCLUDE_KEYS:
+            value = place.get(key)
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                found[f"{where}:{key}"] = list(value)
     return found
 
 
@@ -83,13 +88,7 @@ def kv_cache_fp8(config: Mapping[str, Any], hf_quant: Mapping[str, Any] | None =
     ``FP8`` (ModelOpt's ``hf_quant_config.json``, SGLang), or a ``kv_cache_scheme`` of 8-bit floats that is not
     dynamic (ModelOpt's ``config.json``, compressed-tensors; vLLM's and SGLang's reading of it), in ``config.json``'s
     ``quantization_config``, its ``quantization`` part, or ``hf_quant_config.json``'s."""
-    qc = config.get("quantization_config")
-    places = [qc, qc.get("quantization") if isinstance(qc, dict) else None]
-    if isinstance(hf_quant, dict):
-        places += [hf_quant.get("quantization"), hf_quant]
-    for place in places:
-        if not isinstance(place, dict):
-            continue
+    for _, place in _input_places(config, hf_quant):
         algo, scheme = place.get("kv_cache_quant_algo"), place.get("kv_cache_scheme")
         if isinstance(algo, str) and algo.upper() == KV_CACHE_FP8:
             return True
