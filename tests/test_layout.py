@@ -8,9 +8,13 @@ happen to resolve it at run time.
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "transformd"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "transformd"
 #: Longest module without a reason written in its docstring ("Long because ...").
 MAX_LINES = 700
 
@@ -89,3 +93,11 @@ def test_no_module_is_too_long_without_a_reason() -> None:
 def test_the_circle_check_finds_a_circle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_code_lints_clean() -> None:
+    """ruff with pyproject.toml's rules: no undefined or unused name anywhere, no long line in the package."""
+    ruff = pytest.importorskip("ruff.__main__").find_ruff_bin()  # ruff is in the test extras
+    run = subprocess.run([ruff, "check", "--no-cache", "--output-format", "concise", "transformd", "tests",
+                          "benchmarks"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -47,10 +47,10 @@ __all__ = [
 __getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
-if TYPE_CHECKING:
-    from .checkpoint import ConversionResult, convert_checkpoint
-    from .client import TransformdClient
-    from .convert import convert_weight, resolve_device
-    from .loader import load_tensors
-    from .mx import validate_pair
-    from .reference import convert_reference, dequantize_block, dequantize_mx
+if TYPE_CHECKING:  # the lazy names (in __all__ through _LAZY), for type checkers
+    from .checkpoint import ConversionResult, convert_checkpoint  # noqa: F401
+    from .client import TransformdClient  # noqa: F401
+    from .convert import convert_weight, resolve_device  # noqa: F401
+    from .loader import load_tensors  # noqa: F401
+    from .mx import validate_pair  # noqa: F401
+    from .reference import convert_reference, dequantize_block, dequantize_mx  # noqa: F401

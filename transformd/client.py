@@ -288,7 +288,7 @@ class TransformdClient:
             base_url=base_url, transport=transport, headers=headers, timeout=timeout, verify=self.url is not None
         )
 
-    # -- plumbing -------------------------------------------------------------------------------------------------------
+    # -- plumbing --------------------------------------------------------------------------------------------------
 
     @property
     def where(self) -> str:
@@ -355,7 +355,7 @@ class TransformdClient:
                 status=response.status_code, code=None,
             ) from err
 
-    # -- checkpoints ----------------------------------------------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------------------------------
 
     def submit(
         self,
@@ -482,7 +482,8 @@ class TransformdClient:
                 if status.failed:
                     err = status.error
                     if not (reconnect_s > 0 and err is not None and err.code in _DAEMON_STOPPING_CODES):
-                        raise err or ConversionFailedError.from_answer(f"conversion of {source} failed", status=None, code="failed")
+                        raise err or ConversionFailedError.from_answer(
+                            f"conversion of {source} failed", status=None, code="failed")
                     went_away("is stopping (it cancelled the conversion)", last_seen)
                     status = None  # the daemon is stopping: wait for its successor and ask it again
             if deadline is not None and time.monotonic() + delay > deadline:
@@ -612,7 +613,7 @@ class TransformdClient:
         """``DELETE /v1/checkpoints/{key}``: remove the entry (409 while leased or converting)."""
         self._request("DELETE", f"{_API}/checkpoints/{key}", ok=(200, 202, 204))
 
-    # -- leases ---------------------------------------------------------------------------------------------------------
+    # -- leases ----------------------------------------------------------------------------------------------------
 
     def acquire_lease(self, key: str, ttl_s: float = 3600.0, holder: str | None = None) -> LeaseInfo:
         """``POST /v1/checkpoints/{key}/leases``: protect the entry from eviction for ``ttl_s`` seconds."""
@@ -640,7 +641,7 @@ class TransformdClient:
         finally:
             self.release_lease(key, info.id)
 
-    # -- daemon ---------------------------------------------------------------------------------------------------------
+    # -- daemon ----------------------------------------------------------------------------------------------------
 
     def cache(self) -> dict[str, Any]:
         """``GET /v1/cache``: usage, budget and entries, as the daemon sends them."""
@@ -671,7 +672,7 @@ class TransformdClient:
         """``GET /metrics``: the Prometheus text exposition."""
         return self._request("GET", "/metrics").text
 
-    # -- lifetime -------------------------------------------------------------------------------------------------------
+    # -- lifetime --------------------------------------------------------------------------------------------------
 
     def close(self) -> None:
         self._http.close()

@@ -80,7 +80,8 @@ def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -
             again = client.resolve(str(src), scale_mode="exact")
             warm = time.perf_counter() - t0
             hits = _metric(client.metrics(), "transformd_cache_hits_total")
-            echo(f"\n6. second resolve: {warm * 1e3:.1f} ms from the cache (cache hits: {hits:g}), same path: {again == path}")
+            echo(f"\n6. second resolve: {warm * 1e3:.1f} ms from the cache (cache hits: {hits:g}), "
+                 f"same path: {again == path}")
     finally:
         _stop_daemon(daemon)
     echo(f"\nThe daemon was stopped; its files stay in {workdir} (remove them with: rm -rf {workdir})")
@@ -107,7 +108,8 @@ def _wait_healthy(client: TransformdClient, daemon: subprocess.Popen) -> None:
             return
         except Exception:  # noqa: BLE001 - not listening yet
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not answer within {START_TIMEOUT_S:.0f} s; see daemon.log") from None
+                raise RuntimeError(
+                    f"the daemon did not answer within {START_TIMEOUT_S:.0f} s; see daemon.log") from None
             time.sleep(0.1)
 
 

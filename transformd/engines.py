@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .platform import Platform, detect_platform
+from .platform import Platform
 from .quant_config import FP8_DTYPES, kv_cache_fp8
 from .quant_config import TILE as BLOCK
 
@@ -286,7 +286,8 @@ def _mixed_precision_problems(m: _Model) -> list[str]:
         head, sep, _ = module.partition(".experts.")  # ".shared_experts." does not contain ".experts."
         if sep:
             moe.setdefault(head + ".experts", set()).add(module in m.fp8)
-    problems += [f"{layer}: some experts are FP8 and some are not" for layer, kinds in sorted(moe.items()) if len(kinds) > 1]
+    problems += [f"{layer}: some experts are FP8 and some are not"
+                 for layer, kinds in sorted(moe.items()) if len(kinds) > 1]
     return problems
 
 
@@ -368,7 +369,8 @@ def _moe_problems(engine: Engine, layer: str, leaves: dict[str, tuple[int, ...]]
         note = ""
         if engine is Engine.VLLM and math.gcd(BLOCK, per_rank) >= 32:
             note = " (vLLM's Triton MoE may refine the block, other backends refuse)"
-        return [f"{layer}: MoE intermediate size per rank {per_rank} (= {inter} / {tp}) is not a multiple of {BLOCK}{note}"]
+        return [f"{layer}: MoE intermediate size per rank {per_rank} (= {inter} / {tp}) "
+                f"is not a multiple of {BLOCK}{note}"]
     return []
 
 

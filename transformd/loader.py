@@ -236,7 +236,8 @@ def _plan_from_table(entry: Any) -> _FilePlan:
         raw_path, name, ready, size = entry.path, entry.name, entry.ready, entry.size
         items = [(k, v.dtype, v.shape, v.offsets) for k, v in entry.tensors.items()]
     if not ready or not raw_path:
-        raise ValueError(f"shard {name} is not converted yet; wait for it (load_from_daemon, or client.file(wait=True))")
+        raise ValueError(
+            f"shard {name} is not converted yet; wait for it (load_from_daemon, or client.file(wait=True))")
     path = Path(raw_path)
     specs = []
     for tname, dtype, shape, offsets in items:

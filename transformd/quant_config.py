@@ -49,7 +49,8 @@ def _input_places(config: Mapping[str, Any], hf_quant: Mapping[str, Any] | None)
     if isinstance(qc, dict):
         places.append(("config.json:quantization", qc.get("quantization")))
     if hf_quant is not None:
-        places += [("hf_quant_config.json:quantization", hf_quant.get("quantization")), ("hf_quant_config.json", hf_quant)]
+        places += [("hf_quant_config.json:quantization", hf_quant.get("quantization")),
+                   ("hf_quant_config.json", hf_quant)]
     return [(where, place) for where, place in places if isinstance(place, dict)]
 
 
@@ -99,7 +100,8 @@ def kv_cache_fp8(config: Mapping[str, Any], hf_quant: Mapping[str, Any] | None =
 
 
 def quark_row_block(config: Mapping[str, Any]) -> int | None:
-    """Rows that share one E8M0 scale in an AMD Quark ``per_block`` MX checkpoint (``block_size [R, 32]``), if stated."""
+    """Rows that share one E8M0 scale in an AMD Quark ``per_block`` MX checkpoint (``block_size [R, 32]``), if
+    stated."""
     qc = config.get("quantization_config")
     if not isinstance(qc, dict) or qc.get("quant_method") != "quark":
         return None

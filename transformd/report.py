@@ -54,7 +54,8 @@ LEGEND = (
 _OUT_DTYPES = {Target.FNUZ.safetensors_dtype: Target.FNUZ, Target.OCP.safetensors_dtype: Target.OCP}
 #: safetensors dtypes of an E8M0 scale.
 _E8M0_DTYPES = ("U8", "F8_E8M0")
-#: Name endings of an MXFP8 input scale next to its weight W (``X.weight_scale``, ``X.weight_scale_inv``, ``X_scale_inv``).
+#: Name endings of an MXFP8 input scale next to its weight W (``X.weight_scale``, ``X.weight_scale_inv``,
+#: ``X_scale_inv``).
 _SCALE_SUFFIXES = ("_scale", "_scale_inv")
 
 
@@ -218,7 +219,8 @@ def compare_checkpoints(
         if tgt is None or src_scale is None:
             continue
         if expected is not None and tgt is not expected:
-            raise ValueError(f"{weight} in {out.file[weight].name} is {tgt.safetensors_dtype}, not target {expected.value}")
+            raise ValueError(
+                f"{weight} in {out.file[weight].name} is {tgt.safetensors_dtype}, not target {expected.value}")
         seen_target = tgt
         error = tensor_error(*src.load_mx(weight, src_scale), out.load(weight), out.load(name), tgt)
         rows.append(TensorRow(weight, out.shape[weight], error))

@@ -92,11 +92,12 @@ class Hasher:
     Until the conversion's first progress update (its start-up: imports, CUDA, the kernel's load) a
     :class:`~transformd.readahead.ReadAhead` (one per process) reads the source into the page cache, and the
     hashing waits: its readers take the GIL for each slice, which the imports hold, and BLAKE3 takes cores
-    (:data:`.keys.BACKGROUND_HASH_THREADS`), the read-ahead needs neither (on the H200 machine, with the source in the page cache, a ``convert --cache-dir``
-    whose hashing ran during the start-up imported torch at 5.0 s, ``convert --out`` at 3.2-4.4 s); the hashing
-    then finds those pages in the page cache. Without the read-ahead (another conversion of the process holds it)
-    the hashing reads during the start-up, in the idle I/O class, so that the imports' own reads go first (a cold
-    ``convert --cache-dir`` imported torch in 14.0 s with them at the normal class, ``convert --out`` in 11.8 s)."""
+    (:data:`.keys.BACKGROUND_HASH_THREADS`), the read-ahead needs neither (on the H200 machine, with the source in
+    the page cache, a ``convert --cache-dir`` whose hashing ran during the start-up imported torch at 5.0 s,
+    ``convert --out`` at 3.2-4.4 s); the hashing then finds those pages in the page cache. Without the read-ahead
+    (another conversion of the process holds it) the hashing reads during the start-up, in the idle I/O class, so
+    that the imports' own reads go first (a cold ``convert --cache-dir`` imported torch in 14.0 s with them at the
+    normal class, ``convert --out`` in 11.8 s)."""
 
     def __init__(self, cache: AlongsideMixin, tree: SourceTree, recipe: Recipe, known: SourceIdentity | None,
                  lead: int):

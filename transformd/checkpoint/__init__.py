@@ -112,6 +112,6 @@ __all__ = [
 __getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
-if TYPE_CHECKING:
-    from .convert import ConversionResult, OutputError, convert_checkpoint, write_checkpoint
-    from .pipeline import Progress, ShardOrder, conversion_devices
+if TYPE_CHECKING:  # the lazy names (in __all__ through _LAZY), for type checkers
+    from .convert import ConversionResult, OutputError, convert_checkpoint, write_checkpoint  # noqa: F401
+    from .pipeline import Progress, ShardOrder, conversion_devices  # noqa: F401

@@ -198,7 +198,8 @@ def check_engine(report: dict[str, EngineReadiness], engine: Engine | str | None
     r = report[Engine(engine).value]
     if not r.loads:
         problems = "; ".join(r.problems[:3]) + (f"; and {len(r.problems) - 3} more" if len(r.problems) > 3 else "")
-        raise CheckpointError(f"{r.engine} could not load the converted checkpoint at any TP size: {problems}", file=src)
+        raise CheckpointError(f"{r.engine} could not load the converted checkpoint at any TP size: {problems}",
+                              file=src)
 
 
 def _compile_select(select: str | None) -> Any:

@@ -22,10 +22,10 @@ Endpoints (JSON; errors are ``{"error": {"status", "code", "message"}}``, codes 
 The OpenAPI schema is served at ``/openapi.json`` (and ``/docs``).
 
 Modules (server): :mod:`.settings` (flags and ``TRANSFORMD_*``), :mod:`.server` (sockets, uvicorn),
-:mod:`.app` (routes), :mod:`.state` (what the routes share: callers, grants, gauges), :mod:`.service` (jobs, queue, workers), :mod:`.shards` (shard priority and the
-converter adapter), :mod:`.files` (tensor tables), :mod:`.views` (state bodies), :mod:`.paths`
-(allowed roots), :mod:`.middleware` (token, body limit), :mod:`.errors`, :mod:`.metrics`,
-:mod:`.schemas`. A daemon in a thread, for tests: tests/support/daemon.py.
+:mod:`.app` (routes), :mod:`.state` (what the routes share: callers, grants, gauges), :mod:`.service` (jobs,
+queue, workers), :mod:`.shards` (shard priority and the converter adapter), :mod:`.files` (tensor tables),
+:mod:`.views` (state bodies), :mod:`.paths` (allowed roots), :mod:`.middleware` (token, body limit),
+:mod:`.errors`, :mod:`.metrics`, :mod:`.schemas`. A daemon in a thread, for tests: tests/support/daemon.py.
 
 Nothing here is imported eagerly: a client that imports ``transformd.client`` does not load
 FastAPI or uvicorn.
