@@ -106,7 +106,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def _choose_target(args: argparse.Namespace) -> tuple[str | None, str]:
     """The concrete target for ``args`` (None: serve the source unconverted) and why."""
-    from ..engines import choose_target, detect_platform
+    from ..engines import choose_target
+    from ..platform import detect_platform
 
     return choose_target(args.target, args.engine, detect_platform() if args.target == "auto" else None)
 

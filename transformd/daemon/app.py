@@ -24,8 +24,9 @@ from fastapi.responses import JSONResponse, Response
 from ..cache import Cache, EntryLeasedError, EntryNotFoundError, PendingIdentity, Recipe, cache_key
 from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
-from ..engines import Platform, choose_target, detect_platform
+from ..engines import Platform, choose_target
 from ..hub import HubResolver
+from ..platform import detect_platform
 from .docs import install_docs
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
