@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,6 +95,86 @@ def test_the_key_names_who_could_rewrite_the_source(tmp_path):
             except OSError as e:
                 pytest.skip(f"no POSIX ACLs here: {e}")
     assert source_identity(a).writers[0].startswith("acl:") and key(a) != key(b)
+
+
+
+#: Run in a new user namespace, whose maps the parent writes once it reads the first line: each source's key and
+#: writers as a process there computes them.
+_IN_A_USER_NAMESPACE = """
+import ctypes, json, sys
+if ctypes.CDLL(None, use_errno=True).unshare(0x10000000):  # CLONE_NEWUSER
+    print(json.dumps({"errno": ctypes.get_errno()}), flush=True)
+    sys.exit()
+print("{}", flush=True)
+sys.stdin.readline()
+from transformd.cache import Recipe, cache_key, source_identity
+ids = {src: source_identity(src) for src in sys.argv[1:]}
+print(json.dumps({src: [cache_key(i, Recipe()), list(i.writers)] for src, i in ids.items()}), flush=True)
+"""
+
+
+def test_a_user_namespace_names_the_writers_as_the_host_does():
+    """In a user namespace (a rootless container) uid 1000 outside is 0 inside, and every owner the namespace does
+    not map shows as the same overflow id (65534). A process there keys a source as the host does, so a
+    ``convert --cache-dir`` in a container finds the entry the host's daemon made of the same files (before, it
+    converted them again); and two copies whose different owners both show as 65534 there do not share a key
+    (before, they did: either owner's entry was served for the other's copy)."""
+    root = os.geteuid() == 0
+    uid, gid = (1000, 1000) if root else (os.geteuid(), os.getegid())
+    top = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's own directories are 0700: the namespace's uid could not enter
+    try:
+        os.chmod(top, 0o755)
+        mine = write_source(top / "mine")
+        srcs = [mine]
+        if root:  # owners the namespace does not map: root, and another user
+            srcs += [Path(shutil.copytree(mine, top / name)) for name in ("roots", "theirs")]
+            for src, owner in ((mine, uid), (srcs[2], 2000)):
+                for f in [src, *src.rglob("*")]:
+                    os.chown(f, owner, owner)
+        child = subprocess.Popen([sys.executable, "-c", _IN_A_USER_NAMESPACE, *map(str, srcs)], text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=Path(__file__).parents[1])
+        try:
+            if "errno" in json.loads(child.stdout.readline()):
+                pytest.skip("no user namespaces here")
+            try:
+                Path(f"/proc/{child.pid}/setgroups").write_text("deny")
+                # as root, the overflow id is mapped too (as rootless podman maps 0-65535): unmapped owners still
+                # show as 65534, which now names some other owner outside
+                more = "1 200001 65535\n" if root else ""
+                Path(f"/proc/{child.pid}/uid_map").write_text(f"0 {uid} 1\n{more}")
+                Path(f"/proc/{child.pid}/gid_map").write_text(f"0 {gid} 1\n{more}")
+            except OSError as e:
+                pytest.skip(f"cannot map ids into a user namespace here: {e}")
+            inside = json.loads(child.communicate("go\n", timeout=120)[0])
+        finally:
+            child.kill()
+            child.wait()
+        here = {str(src): source_identity(src) for src in srcs}
+        assert here[str(mine)].writers == (f"uid:{uid}",)
+        assert inside[str(mine)] == [cache_key(here[str(mine)], Recipe()), [f"uid:{uid}"]]
+        if root:
+            roots, theirs = inside[str(srcs[1])], inside[str(srcs[2])]
+            assert roots[0] != theirs[0], (roots, theirs)
+            assert all(w.startswith("file:") for w in roots[1] + theirs[1]), (roots, theirs)
+    finally:
+        shutil.rmtree(top)
+
+
+
+def test_an_acl_seen_in_a_user_namespace_names_its_users_as_the_host_does(monkeypatch):
+    """The kernel shows an ACL's user and group ids in the reader's namespace: they are translated like owners, and
+    an ACL naming an id the map does not cover cannot be told from another's (it names the file instead)."""
+    from transformd.cache import writers
+
+    maps = {"uid": ((0, 1000, 1), (1, 200001, 10)), "gid": ((0, 1000, 1),)}
+    monkeypatch.setattr(writers, "_id_map", maps.get)
+    assert writers._acl_outside(_acl(user_rw=0)) == _acl(user_rw=1000)
+    assert writers._acl_outside(_acl(user_rw=3)) == _acl(user_rw=200003)
+    assert writers._acl_outside(_acl(user_rw=11)) is None  # outside the map
+    assert writers._acl_outside(_acl(user_rw=65534)) is None  # the overflow id: any unmapped user
+    assert writers._acl_outside(_acl(user_rw=1)[:-1]) is None  # not an ACL
+    monkeypatch.setattr(writers, "_id_map", lambda kind: None)  # the initial namespace: the bytes as they are
+    assert writers._acl_outside(_acl(user_rw=11)) == _acl(user_rw=11)
 
 
 def _acl(user_rw: int) -> bytes:

@@ -5,12 +5,13 @@ truncated to 32 hex digits. Paths and mtimes are not part of it: two copies of o
 writers share a key, and one changed byte anywhere gives a new key.
 
 ``writers`` (:func:`source_writers`) names who could change the source's bytes in place: each file's owner,
-its group where the group may write, ``other`` where everyone may, its POSIX ACL. A content id stands for the
-bytes that were hashed, and the conversion reads them again afterwards; a writer can change them in between
-without moving any timestamp (a write through a shared memory map whose pages are already dirty leaves mtime and
-ctime as they were), so the entry he gets may hold the conversion of other bytes than its key names. With the
-writers in the key such an entry is served only for sources the same people could rewrite anyway, never for
-another user's copy of that content (a shared daemon's entries are otherwise content-addressed for everyone).
+its group where the group may write, ``other`` where everyone may, its POSIX ACL (:mod:`.writers`: ids as the
+host names them, from a user namespace too). A content id stands for the bytes that were hashed, and the
+conversion reads them again afterwards; a writer can change them in between without moving any timestamp (a
+write through a shared memory map whose pages are already dirty leaves mtime and ctime as they were), so the
+entry he gets may hold the conversion of other bytes than its key names. With the writers in the key such an
+entry is served only for sources the same people could rewrite anyway, never for another user's copy of that
+content (a shared daemon's entries are otherwise content-addressed for everyone).
 
 Content ids are prefixed by their kind:
 
@@ -51,7 +52,7 @@ import re
 import stat as stat_mod
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ from ..formats import FORMAT_VERSION, ScaleMode, Target
 from ..readahead import set_idle_io
 from .errors import InvalidKeyError, SourceChangedError, SourceError
 from .securefs import SourceTree, open_source
+from .writers import source_writers
 
 #: Version of the key derivation itself (bump when the canonical form changes).
 KEY_SCHEMA = 2  # 2: the source's writers are part of the key
@@ -186,27 +188,6 @@ def validate_key(key: str) -> str:
     if not isinstance(key, str) or not KEY_RE.fullmatch(key):
         raise InvalidKeyError(f"not a cache key (expected {KEY_HEX_LEN} lowercase hex digits): {key!r}")
     return key
-
-
-def source_writers(files: Iterable[tuple[int, os.stat_result]]) -> tuple[str, ...]:
-    """Who could change the bytes of these files (open descriptors and their stats) in place, sorted: ``uid:N``
-    for each owner (who may always give himself write permission), ``gid:N`` for each group with write
-    permission, ``other`` when everyone has it, and ``acl:<digest>`` for each POSIX access ACL (its named users
-    and groups, whose write permission shows in the mode only as the group's). Root is not named: it can write
-    anything, the daemon's files included. (ACLs a file system keeps elsewhere, NFSv4's, are not seen.)"""
-    found: set[str] = set()
-    for fd, st in files:
-        found.add(f"uid:{st.st_uid}")
-        if st.st_mode & stat_mod.S_IWGRP:
-            found.add(f"gid:{st.st_gid}")
-        if st.st_mode & stat_mod.S_IWOTH:
-            found.add("other")
-        try:
-            acl = os.getxattr(fd, "system.posix_acl_access")
-        except OSError:  # none, or no ACLs on this file system
-            continue
-        found.add("acl:" + blake3.blake3(acl).hexdigest()[:32])
-    return tuple(sorted(found))
 
 
 def cache_key(identity: SourceIdentity, recipe: Recipe) -> str:
