@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,3 +101,76 @@ def test_a_cached_entry_is_served_only_to_callers_who_can_read_its_source(world:
     assert answers[0][0] == 200, answers
     fault_log.record(CATEGORY, "uid 65534 asks for the entry of a 0700 checkpoint by key (state, files, shard, "
                      "lease, delete, POST)", len(answers) + 6, "403 each; served after POSTing its own readable copy")
+
+
+@pytest.mark.parametrize("when", ["plan", "conversion", "engine check"])
+def test_a_source_swapped_after_its_check_is_not_converted_for_the_caller(daemons: Daemons, fault_log, monkeypatch,
+                                                                          when: str) -> None:
+    """A checkpoint converted as it is hashed (read once) is checked for the caller on its first open, and the job
+    opens it again by path: to check it (the plan, the engine's readiness), then to convert it. uid 65534 POSTs
+    its own copy, and once the daemon has checked it, swaps in a symbolic link to uid 1000's private checkpoint
+    (a review's race, timed there with inotify; here at each reopen). Before: the daemon converted the private
+    checkpoint and answered uid 65534 with its key and path (its files then readable through the cache), or a 422
+    naming its files. Now the reopened tree must be the one that was checked (its path and files' stat
+    signatures), and the readiness check reads only what the caller could read."""
+    from transformd.daemon import app as app_module, service as service_module
+
+    base = short_tempdir("tdsw-")
+    try:
+        os.chmod(base, 0o755)
+        allowed = base / "models"
+        allowed.mkdir(mode=0o755)
+        home = allowed / "alice"
+        home.mkdir()
+        private = write_sample_checkpoint(home / "m", layers=1, experts=2)
+        for p in [home, *home.rglob("*")]:
+            os.chown(p, OWNER, OWNER)
+        os.chmod(home, 0o700)
+        decoy = write_sample_checkpoint(allowed / "bob" / "m", layers=1, experts=2, seed=7)
+        for p in [decoy.parent, *decoy.parent.rglob("*")]:
+            os.chown(p, NOBODY, NOBODY)
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        for f in [*private.rglob("*"), *decoy.rglob("*")]:  # past the stat cache's racy window, as downloads are
+            os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
+        swapped = []
+
+        def swap() -> None:
+            if not swapped:
+                os.rename(decoy, decoy.with_name("was"))
+                os.symlink(private, decoy)
+                swapped.append(True)
+
+        def swapping_first(cls, name):
+            real = getattr(cls, name)
+
+            def hooked(*args, **kwargs):
+                swap()
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(cls, name, hooked)
+
+        if when == "plan":
+            swapping_first(service_module.ConversionService, "_plan_blocking")
+        elif when == "conversion":
+            swapping_first(service_module.ConversionService, "_run")
+        else:
+            swapping_first(app_module, "_plan_readiness")
+        daemon = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdsw-", log_level="critical")
+        daemon.daemon.cache.hash_alongside_min_bytes = 0  # (real checkpoints take this path from 256 MiB on)
+        os.chmod(daemon.socket_path.parent, 0o755)
+        os.chmod(daemon.socket_path, 0o666)
+        request = {"source": str(decoy), **({"engine": "vllm"} if when == "engine check" else {})}
+        (status, body), = as_uid(daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints", request)])
+        assert swapped, "the swap happened"
+        code = {"engine check": "permission_denied"}.get(when, "source_changed")
+        assert status in (403, 409) and body["error"]["code"] == code, (status, body)
+        assert str(private) not in json.dumps(body)
+        deadline = time.monotonic() + 30
+        while daemon.daemon.service.active_jobs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not list((base / "cache" / "entries").glob("*")), "nothing converted from the private checkpoint"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    fault_log.record(CATEGORY, f"uid 65534 swaps a symbolic link to uid 1000's 0700 checkpoint in for its own copy "
+                     f"once checked, before the {when} reopens it", 1,
+                     "409 source_changed (403 for the engine check); nothing of it converted or named")

@@ -587,6 +587,23 @@ def provisional_key(tree: SourceTree, recipe: Recipe) -> str:
     return provisional_key_of(tree.real, provisional_files(tree), recipe)
 
 
+def check_same_tree(tree: SourceTree, recipe: Recipe, slot: str, src: str | os.PathLike[str]) -> None:
+    """Raise :class:`SourceChangedError` unless ``tree`` is the directory, with the same files (names and stat
+    signatures), whose :func:`provisional_key` was ``slot`` when it was requested: a job reopens its source by
+    path, and the path may name other files by then (a directory renamed, a symbolic link swapped in)."""
+    if provisional_key(tree, recipe) != slot:
+        raise SourceChangedError(f"source {src} changed after it was requested (other files, or another directory, "
+                                 "at its path now); ask for it again")
+
+
+def identity_slot(identity: SourceIdentity, recipe: Recipe) -> str | None:
+    """:func:`provisional_key` of the tree ``identity`` was computed from (None: its stat signatures unknown)."""
+    if len(identity.stats) != len(identity.files):
+        return None
+    return provisional_key_of(str(identity.path), [[f.name, *s] for f, s in zip(identity.files, identity.stats)],
+                              recipe)
+
+
 def provisional_files(tree: SourceTree) -> list[list[Any]]:
     """What :func:`provisional_key` takes from a tree's files: their names and stat signatures."""
     return [[f.rel, *_sig(f.st)] for f in tree.files]

@@ -48,6 +48,7 @@ from .keys import (
     SourceIdentity,
     StatCache,
     cache_key,
+    check_same_tree,
     hash_own_file,
     identity_of_tree,
     source_identity,
@@ -386,12 +387,15 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         poll_interval: float = 0.1,
         identity: SourceIdentity | None = None,
         expect_key: str | None = None,
+        expect_slot: str | None = None,
     ) -> Entry:
         """The entry of ``src`` converted with ``recipe``, converting it if needed.
 
         ``identity``: this process' identity of ``src`` from moments ago (:meth:`identity`); files whose stat
         signature is unchanged are not read again to key them. ``expect_key``: the key the caller asked for;
         a source whose content no longer has it raises :class:`SourceChangedError` before anything is converted.
+        ``expect_slot``: the :func:`.keys.provisional_key` the source had when it was requested (its content not
+        known then): another directory or other files at its path now raise :class:`SourceChangedError`.
 
         Single flight: whatever the number of threads and processes asking for one key, one
         converts, the others poll (every ``poll_interval`` s, calling ``progress`` with the
@@ -408,6 +412,8 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         """
         recipe = recipe or Recipe()
         with self.open_source(src) as tree:
+            if expect_slot is not None:
+                check_same_tree(tree, recipe, expect_slot, src)
             return self._get_or_convert(
                 tree, src, recipe, progress, converter, timeout, lease_ttl, poll_interval, identity, expect_key
             )

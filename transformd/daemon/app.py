@@ -213,19 +213,23 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _plan_readiness(d: Daemon, source: str, select: str | None, target: str) -> dict[str, Any]:
+def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, caller: Caller) -> dict[str, Any]:
     """Blocking: readiness of the output a conversion of ``source`` would write (headers only, read through the
-    checked descriptors of the source, like every other read of it)."""
+    checked descriptors of the source, like every other read of it); 403 unless ``caller`` could read the files
+    opened now (the path may name others than when it was checked: a swapped symbolic link)."""
     from ..checkpoint import plan_conversion, plan_readiness
 
     try:
         with d.cache.open_source(source) as tree:
-            plan = plan_conversion(tree.view(), select=select)
-        return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
+            missing = denied(caller, tree.facts())
+            plan = None if missing is not None else plan_conversion(tree.view(), select=select)
     except ApiError:
         raise
     except Exception as e:
         raise error_for_exception(e) from e
+    if plan is None:
+        raise _unreadable(caller, source, str(missing))
+    return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
 
 
 def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
@@ -275,12 +279,9 @@ def _with_hub(body: bytes | None, d: Daemon, key: str) -> bytes | None:
 
 def _unreadable(caller: Caller, source: str, missing: str) -> ApiError:
     """403 for a source ``caller`` could not read itself (``missing``: the right it lacks, and where)."""
-    return ApiError(
-        403,
-        "permission_denied",
-        f"{caller.describe()} may not read source {source} ({missing} is missing); the daemon converts and serves a "
-        "source only for callers who could read every file of it themselves",
-    )
+    return ApiError(403, "permission_denied", f"{caller.describe()} may not read source {source} ({missing} is "
+                    "missing); the daemon converts and serves a source only for callers who could read every file of "
+                    "it themselves")
 
 
 def _check_engine(report: dict[str, Any] | None, engine: str | None) -> None:
@@ -402,7 +403,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                            headers={"Retry-After": "5"})
         if body.engine is not None and not joins:
             async with d.source_slot(caller):  # (it reads the source's headers)
-                report = await _thread(_plan_readiness, d, source, body.select, target)
+                report = await _thread(_plan_readiness, d, source, body.select, target, caller)
             _check_engine(report, body.engine)
 
     async def _answer(key: str, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:

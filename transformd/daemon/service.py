@@ -29,6 +29,7 @@ from typing import Any
 import anyio.to_thread
 
 from ..cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
+from ..cache.keys import check_same_tree, identity_slot
 from ..progress import COUNTERS, Eta, Progress
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
@@ -318,8 +319,12 @@ class ConversionService:
         return self.cache.identity_unless_alongside(source) if defer else self.cache.identity(source)
 
     def _plan_blocking(self, job: Job) -> ConversionOutline | None:
-        """The converter's check of the job's source, reading only the checked descriptors (a view)."""
+        """The converter's check of the job's source, reading only the checked descriptors (a view) of the tree the
+        request checked (:func:`.keys.check_same_tree`: its errors name no other files)."""
         with self.cache.open_source(job.source) as tree:
+            slot = job.slot or (identity_slot(job.identity, job.recipe) if job.identity is not None else None)
+            if slot is not None:
+                check_same_tree(tree, job.recipe, slot, job.source)
             view = tree.view()
             try:
                 return plan_of(self.converter, view, job.recipe)
@@ -464,6 +469,7 @@ class ConversionService:
                 converter=bind_shard_order(self.converter, job.priority, job.outline.plan if job.outline else None),
                 identity=job.identity,
                 expect_key=None if job.slot is not None else job.key,
+                expect_slot=job.slot,  # (the provisional key of the tree the request checked)
                 poll_interval=POLL_INTERVAL_S,
             )
             outcome = {"converted": "converted", "waited": "waited"}.get(entry.outcome, "hit")
