@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import shutil
 import socket
@@ -312,3 +313,70 @@ def _hashing_held(monkeypatch: pytest.MonkeyPatch, fragment: str) -> threading.E
 
     monkeypatch.setattr(keys, "hash_file", held)
     return release
+
+
+#: As uid argv[2]: open argv[3] connections to the unix socket argv[1], each sending a POST's headers and one byte
+#: of its body; say how many there are, wait for a line on stdin, then print what each got back (its status, or 0
+#: while it is still open and silent).
+_TRICKLER = """
+import json, os, socket, sys
+os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
+conns = []
+for _ in range(int(sys.argv[3])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    s.sendall(b"POST /v1/checkpoints HTTP/1.1\\r\\nHost: td\\r\\nContent-Type: application/json\\r\\n"
+              b"Content-Length: 60000\\r\\n\\r\\n{")
+    conns.append(s)
+print(len(conns), flush=True)
+sys.stdin.readline()
+got = []
+for s in conns:
+    s.settimeout(0.5)
+    try:
+        data = s.recv(65536)
+        got.append(int(data.split()[1]) if data else -1)
+    except (TimeoutError, socket.timeout):
+        got.append(0)
+    except ConnectionResetError:
+        got.append(-1)
+print(json.dumps(got), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_one_uids_connections_with_trickling_bodies_do_not_lock_out_the_others(tmp_path: Path, daemons: Daemons,
+                                                                               fault_log) -> None:
+    """A review's attack: one uid opened more connections than the unix listener takes (2048), each a POST whose
+    body came a byte at a time; the header deadline no longer applied, nothing limited the body, and every other
+    caller got 503 for as long as it liked. Now a uid holds at most ``max_unix_connections_per_uid`` (root's are
+    not counted), and a body not all received within the deadline is a JSON 408 and a close."""
+    import subprocess
+    import sys
+
+    from .support.callers import NOBODY
+
+    (tmp_path / "models").mkdir()
+    limit, per_uid, n = 24, 8, 30
+    daemon = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[tmp_path / "models"], prefix="tdt-",
+                           log_level="critical", max_unix_connections=limit, max_unix_connections_per_uid=per_uid,
+                           header_timeout_s=1.5)
+    os.chmod(daemon.socket_path.parent, 0o755)
+    os.chmod(daemon.socket_path, 0o666)
+    child = subprocess.Popen([sys.executable, "-c", _TRICKLER, str(daemon.socket_path), str(NOBODY), str(n)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert int(child.stdout.readline()) == n
+        time.sleep(0.3)
+        with daemon.client(timeout=5) as http:
+            assert _health_ok(http) < 1.0  # another caller is answered while that uid holds its connections
+        time.sleep(2.0)  # past the deadline
+        got = json.loads(child.communicate("go\n", timeout=60)[0])
+    finally:
+        child.kill()
+        child.wait()
+    assert sorted(set(got)) == [408, 503], got
+    assert got.count(503) == n - per_uid and got.count(408) == per_uid, got  # none still open
+    fault_log.record(CATEGORY, f"one uid opens {n} unix connections, each a POST whose body trickles (listener "
+                     f"limit {limit}, {per_uid} per uid)", n,
+                     f"past {per_uid}: JSON 503 for that uid only; others answered; the rest JSON 408 after 1.5 s")

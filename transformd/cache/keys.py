@@ -593,7 +593,7 @@ def check_same_tree(tree: SourceTree, recipe: Recipe, slot: str, src: str | os.P
     path, and the path may name other files by then (a directory renamed, a symbolic link swapped in)."""
     if provisional_key(tree, recipe) != slot:
         raise SourceChangedError(f"source {src} changed after it was requested (other files, or another directory, "
-                                 "at its path now); ask for it again")
+                                 "at its path now)")
 
 
 def identity_slot(identity: SourceIdentity, recipe: Recipe) -> str | None:

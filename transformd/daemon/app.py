@@ -186,7 +186,7 @@ def create_app(
     install_docs(app)
     _document_settings(app, settings)
     app.add_middleware(RequestCounter, metrics=metrics)  # innermost of the three: sees the matched route
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, timeout_s=settings.header_timeout_s)
     if token is not None:
         socket_path = settings.socket_path()
         app.add_middleware(BearerAuth, token=token, unix_paths=[str(socket_path)] if socket_path else [])

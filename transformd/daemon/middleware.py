@@ -13,6 +13,8 @@ import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
+import anyio
+
 from .metrics import Metrics
 
 Scope = MutableMapping[str, Any]
@@ -96,11 +98,14 @@ class BearerAuth:
 
 
 class BodyLimit:
-    """413 for request bodies above ``limit`` bytes (declared or streamed)."""
+    """413 for request bodies above ``limit`` bytes (declared or streamed); 408 (and close) for one not all
+    received within ``timeout_s`` of the headers (a body sent a byte at a time would hold its connection, and one
+    uid's many such its share of them, for good)."""
 
-    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES):
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES, timeout_s: float = 10.0):
         self.app = app
         self.limit = limit
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -120,18 +125,23 @@ class BodyLimit:
         # 413 before the app sees anything; the app's own body parser would turn any error into a 400.
         chunks: list[bytes] = []
         received = 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":  # the client went away
-                return
-            chunk = msg.get("body", b"")
-            received += len(chunk)
-            if received > self.limit:
-                await _send_error(send, 413, "body_too_large", message, [(b"connection", b"close")])
-                return
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
+        with anyio.move_on_after(self.timeout_s) as deadline:
+            while True:
+                msg = await receive()
+                if msg["type"] != "http.request":  # the client went away
+                    return
+                chunk = msg.get("body", b"")
+                received += len(chunk)
+                if received > self.limit:
+                    await _send_error(send, 413, "body_too_large", message, [(b"connection", b"close")])
+                    return
+                chunks.append(chunk)
+                if not msg.get("more_body", False):
+                    break
+        if deadline.cancelled_caught:
+            await _send_error(send, 408, "request_timeout", f"request body not received within {self.timeout_s:g} s",
+                              [(b"connection", b"close")])
+            return
         replayed = False
 
         async def replay() -> Message:

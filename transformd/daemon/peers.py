@@ -124,37 +124,45 @@ def _raw_error(status: int, reason: str, code: str, message: str) -> bytes:
     return head.encode() + body
 
 
-def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, header_timeout_s: float = 10.0) -> type:
+def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, header_timeout_s: float = 10.0,
+                  max_per_uid: int | None = None) -> type:
     """A subclass of uvicorn's HTTP protocol ``base``: the unix peer's :class:`Caller` in every scope, a limit of
     open connections per listener kind (``{"unix": n, "tcp": m}``; past it, a JSON 503 and close, so a flood of
-    TCP connections never takes the unix socket's capacity), and a deadline for the first request's headers (an
-    idle or trickling connection gets a JSON 408 and is closed; uvicorn's keep-alive timeout covers the rest)."""
+    TCP connections never takes the unix socket's capacity) and per unix peer uid (``max_per_uid``, root's not
+    counted: one uid's flood never takes the others'), and a deadline for the first request's headers (an idle or
+    trickling connection gets a JSON 408 and is closed; uvicorn's keep-alive timeout covers the rest, and
+    :class:`.middleware.BodyLimit` a request's body)."""
     limits = dict(max_connections or {})
     counts = {"unix": 0, "tcp": 0}
+    per_uid: dict[int, int] = {}
 
     class PeerProtocol(base):  # type: ignore[misc, valid-type]
         _td_refused = False
         _td_kind: str | None = None
+        _td_uid: int | None = None  # a counted unix peer's
         _td_timer: Any = None
 
         def connection_made(self, transport: Any) -> None:
             sock = transport.get_extra_info("socket")
             kind = "unix" if sock is not None and getattr(sock, "family", None) == socket.AF_UNIX else "tcp"
+            caller = peer_caller(sock) if kind == "unix" else None
+            uid = caller.uid if caller is not None and caller.uid != 0 and max_per_uid is not None else None
             limit = limits.get(kind)
             if limit is not None and counts[kind] >= limit:
-                self._td_refused = True
-                transport.write(_raw_error(503, "Service Unavailable", "too_many_connections",
-                                           f"this daemon's {kind} listener has {limit} open connections; retry "
-                                           "later (idle connections are closed after a few seconds)"))
-                transport.close()
+                self._td_refuse(transport, f"this daemon's {kind} listener has {limit} open connections")
+                return
+            if uid is not None and per_uid.get(uid, 0) >= max_per_uid:  # type: ignore[operator]
+                self._td_refuse(transport, f"uid {uid} has {max_per_uid} open connections to this daemon")
                 return
             counts[kind] += 1
             self._td_kind = kind
+            if uid is not None:
+                per_uid[uid] = per_uid.get(uid, 0) + 1
+                self._td_uid = uid
             super().connection_made(transport)
             self._td_timer = self.loop.call_later(header_timeout_s, self._td_header_deadline)
             if kind != "unix":
                 return
-            caller = peer_caller(sock)
             app = self.app
 
             async def with_caller(scope: Any, receive: Any, send: Any) -> None:
@@ -162,6 +170,12 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
                 await app(scope, receive, send)
 
             self.app = with_caller
+
+        def _td_refuse(self, transport: Any, why: str) -> None:
+            self._td_refused = True
+            transport.write(_raw_error(503, "Service Unavailable", "too_many_connections",
+                                       f"{why}; retry later (idle connections are closed after a few seconds)"))
+            transport.close()
 
         def _td_header_deadline(self) -> None:
             if getattr(self, "cycle", None) is None and not self.transport.is_closing():
@@ -185,6 +199,11 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
             if self._td_kind is not None:
                 counts[self._td_kind] -= 1
                 self._td_kind = None
+            if self._td_uid is not None:
+                per_uid[self._td_uid] -= 1
+                if not per_uid[self._td_uid]:
+                    del per_uid[self._td_uid]
+                self._td_uid = None
             super().connection_lost(exc)
 
         def pause_writing(self) -> None:

@@ -112,7 +112,10 @@ class Settings(BaseSettings):
     #: open connections per listener kind; past them a JSON 503 (a TCP flood never takes the unix socket's)
     max_unix_connections: int = Field(2048, ge=1, le=1_000_000)
     max_tcp_connections: int = Field(256, ge=1, le=1_000_000)
-    #: seconds a new connection has to send its first request's headers (else a JSON 408 and close)
+    #: open unix connections of one uid (root's are not counted): past them a JSON 503 for that uid only
+    max_unix_connections_per_uid: int = Field(128, ge=1, le=1_000_000)
+    #: seconds a new connection has to send its first request's headers, and a request its body (else a JSON 408
+    #: and close)
     header_timeout_s: float = Field(10.0, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     #: seconds the daemon waits for cancelled conversions to clean up when it stops
