@@ -358,7 +358,10 @@ def _cache_is_empty(root: Path) -> bool:
     return not any((root / "entries").iterdir()) and not any((root / "staging").iterdir())
 
 
-def test_corrupt_checkpoints_are_422_and_the_daemon_keeps_serving(start, models: Path) -> None:
+def test_corrupt_checkpoints_are_422_and_the_daemon_keeps_serving(start, models: Path, caplog) -> None:
+    """... and its log says what each conversion came to (an operator's record: before, at the default level it
+    said nothing of conversions but those failing with a 5xx)."""
+    caplog.set_level("INFO", logger="transformd.daemon")
     truncated = _corrupt_copy(models, "truncated", "truncate")
     nan = _corrupt_copy(models, "nan-code", "nan")
     daemon = start()
@@ -384,6 +387,10 @@ def test_corrupt_checkpoints_are_422_and_the_daemon_keeps_serving(start, models:
         assert _resolve(http, models / "sample")["state"] == "ready"
         metrics = http.get("/metrics").text
     assert metric_value(metrics, "transformd_conversions_total", {"outcome": "invalid"}) == 2
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "transformd.daemon"]
+    assert any(level == "WARNING" and f"conversion of {nan} " in m and "422 invalid_checkpoint" in m
+               for level, m in said), said
+    assert any(level == "INFO" and m.startswith(f"converted {models / 'sample'} (key ") for level, m in said), said
 
 
 def test_a_request_reads_a_fresh_source_once_to_key_it_and_plans_it_once(start, tmp_path: Path, models: Path,

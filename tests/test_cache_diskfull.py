@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from transformd.cache import Cache, CacheFullError, DiskFullError
+from transformd.cache import Cache, CacheError, CacheFullError, DiskFullError
 from transformd.cache import budget as budget_mod
 from transformd.cache import store as store_mod
 from transformd.cache.store import ENTRY_OVERHEAD_BYTES
@@ -124,3 +124,26 @@ def test_eviction_makes_room_on_the_disk(tmp_path, small_fs, monkeypatch):
     b = cache.get_or_convert(src)
     assert [e.key for e in cache.entries()] == [b.key]
     assert [r.ok for r in cache.verify()] == [True]
+
+
+def test_a_cache_file_it_may_not_write_is_the_caches_fault_not_the_sources(tmp_path):
+    """A permission error on a file of the cache (a staging directory made immutable, an operator's chmod) is a
+    CacheError naming the cache (the daemon's 503 cache_unavailable); before, it went out as a PermissionError,
+    which the daemon answers as 403 "may not read" the file, blaming the caller. One on a source file stays what it
+    is."""
+    cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
+    src = write_source(tmp_path / "A")
+    for where, raised in ((cache.staging_dir / ".tmp.status.json", CacheError), (src / "config.json", PermissionError)):
+
+        def hook(phase, where=where):
+            if phase == "reserved":
+                raise PermissionError(errno.EACCES, "Permission denied", str(where))
+
+        cache._fault_hook = hook
+        with pytest.raises(raised) as caught:
+            cache.get_or_convert(src)
+        assert type(caught.value) is raised, caught.value
+        if raised is CacheError:
+            assert f"cannot use the cache directory {cache.root}" in str(caught.value), caught.value
+    cache._fault_hook = None
+    assert os.listdir(cache.staging_dir) == [] and cache.get_or_convert(src).outcome == "converted"

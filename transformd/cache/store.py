@@ -297,6 +297,11 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                     raise self._unusable(e) from e
             yield
 
+    def _holds(self, filename: object) -> bool:
+        """Whether ``filename`` (an OSError's) names a path inside the cache directory."""
+        root = os.path.abspath(self.root)
+        return isinstance(filename, str | os.PathLike) and os.path.commonpath([os.path.abspath(filename), root]) == root
+
     def _unusable(self, e: OSError) -> CacheError:
         why = "its file system is read-only" if e.errno == errno.EROFS else (e.strerror or str(e))
         return CacheError(f"cannot use the cache directory {self.root}: {why} ({e.filename or self.root})")
@@ -414,9 +419,14 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         with self.open_source(src) as tree:
             if expect_slot is not None:
                 check_same_tree(tree, recipe, expect_slot, src)
-            return self._get_or_convert(
-                tree, src, recipe, progress, converter, timeout, lease_ttl, poll_interval, identity, expect_key
-            )
+            try:
+                return self._get_or_convert(
+                    tree, src, recipe, progress, converter, timeout, lease_ttl, poll_interval, identity, expect_key
+                )
+            except OSError as e:  # a file of the cache it may not write: the cache's fault, not the source's
+                if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and self._holds(e.filename):
+                    raise self._unusable(e) from e
+                raise
 
     def _get_or_convert(
         self,

@@ -30,7 +30,7 @@ import anyio.to_thread
 
 from ..cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
 from ..cache.keys import check_same_tree, identity_slot
-from ..progress import COUNTERS, Eta, Progress
+from ..progress import COUNTERS, Eta, Progress, human_bytes
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
 from .paths import SourcePolicy
@@ -476,6 +476,8 @@ class ConversionService:
             if outcome == "converted":
                 self.metrics.conversion_seconds.observe(time.monotonic() - t0)
                 self.metrics.converted_bytes.inc(entry.manifest.total_bytes)
+                log.info("converted %s (key %s, %s): %.1f s", job.source, entry.key,
+                         human_bytes(entry.manifest.total_bytes), time.monotonic() - t0)
                 if self._on_converted is not None:
                     self._on_converted(entry.key, job.uid)
             job.finish(entry)
@@ -485,8 +487,8 @@ class ConversionService:
         except BaseException as exc:
             err = error_for_exception(exc)
             outcome = "invalid" if err.status == 422 else "failed"
-            if err.status >= 500:
-                log.error("conversion of %s (key %s) failed: %s", job.source, job.key, exc)
+            (log.error if err.status >= 500 else log.warning)(
+                "conversion of %s (key %s) failed: %s %s: %s", job.source, job.key, err.status, err.code, err.message)
             job.fail(err, outcome)
             if not isinstance(exc, Exception):
                 raise
