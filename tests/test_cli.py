@@ -365,3 +365,66 @@ def test_the_engine_check_of_a_cache_conversion_does_not_read_the_source_twice(t
                           "--engine", "vllm")
     assert code == 0 and "transformd: converted " in err[-1], err
     assert sorted(hashed) == sorted(p.name for p in src.iterdir() if p.is_file()), "each file hashed once"
+
+
+#: ``transformd`` with every output fsync held until a signal comes (said on standard error once the first holds).
+_HELD_AT_FSYNC = """
+import os, sys, time
+real = os.fsync
+def held(fd):
+    print("holding", file=sys.stderr, flush=True)
+    time.sleep(60)
+os.fsync = held
+sys.argv = ["transformd", *sys.argv[1:]]
+from transformd.cli import run
+run()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_conversion_leaves_nothing_behind(tmp_path: Path, sig: str) -> None:
+    """SIGTERM is what kill, systemd and Kubernetes send: it stops a conversion as Ctrl-C does, its staging
+    directory removed (before, the process died at once and left it: a review saw 443 MiB stay hidden beside
+    --out until a later conversion to the same place)."""
+    import signal
+    import time
+
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    out = tmp_path / "out" / "model"
+    out.parent.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", _HELD_AT_FSYNC, "convert", str(src), "--out", str(out),
+                              "--device", "cpu", "--target", "ocp"], stderr=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).parents[1])
+    try:
+        for line in child.stderr:
+            if line.startswith("holding"):
+                break
+        time.sleep(0.2)
+        assert os.listdir(out.parent), "a staging directory beside --out while it converts"
+        child.send_signal(getattr(signal, sig))
+        rest = child.stderr.read()
+        code = child.wait(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    assert code == {"SIGTERM": 143, "SIGINT": 130}[sig], rest
+    assert rest.splitlines()[-1] == {"SIGTERM": "transformd: error: terminated (SIGTERM)",
+                                     "SIGINT": "transformd: error: interrupted"}[sig], rest
+    assert os.listdir(out.parent) == [], "nothing left beside --out"
+
+
+def test_serve_says_in_one_line_what_keeps_it_from_starting(tmp_path: Path) -> None:
+    """A setting that cannot be used is one line naming its environment variable (exit 2), and ``--device cuda``
+    without a GPU one line before the server starts (exit 1; before: two tracebacks, exit 3)."""
+    base = [sys.executable, "-m", "transformd", "serve", "--socket", str(tmp_path / "td.sock"), "--cache-dir",
+            str(tmp_path / "cache")]
+    env = {**os.environ, "TRANSFORMD_MAX_CONCURRENT_CONVERSIONS": "abc"}
+    bad = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr
+    assert "max_concurrent_conversions (TRANSFORMD_MAX_CONCURRENT_CONVERSIONS): " in bad.stderr
+    if torch.cuda.is_available():
+        return
+    gpu = subprocess.run([*base, "--device", "cuda"], capture_output=True, text=True, timeout=120)
+    assert gpu.returncode == 1, gpu.stderr
+    assert gpu.stderr == "transformd: error: --device cuda was asked for, but PyTorch sees no GPU\n", gpu.stderr
+    assert not (tmp_path / "td.sock").exists()

@@ -7,6 +7,8 @@ Conventions every subcommand keeps, so scripts can rely on them:
 * errors are one line on standard error, ``transformd: error: ...``; exit code 2
   for bad input (a malformed checkpoint, invalid MXFP8 values, a non-empty
   ``--out``, bad arguments), 1 for environment failures (I/O, no GPU);
+* SIGTERM (``kill``, systemd, Kubernetes) stops a command as Ctrl-C does: nothing half-written is left (a
+  conversion's staging directory is removed), exit code 143 (130 for Ctrl-C);
 * progress goes to standard error: a bar when that is a terminal, else a line every 5 s
   (``--progress-every``); ``convert`` ends with a one-line summary there (bytes, tensors, time,
   rate, target, mode, device, where).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -59,8 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse reports usage errors itself, with code 2
         return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return args.handler(args)
+    except Terminated:
+        return fail("terminated (SIGTERM)", 128 + signal.SIGTERM)
     except KeyboardInterrupt:
         return fail("interrupted", 130)
     except Exception as err:
@@ -68,6 +75,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if code is None:
             raise
         return fail(err, code)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, as Ctrl-C's KeyboardInterrupt is: the same clean-ups run (before,
+    the process died at once and left a conversion's staging directory behind)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def run() -> NoReturn:

@@ -45,13 +45,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = _settings_from_args(args)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(f"{_named(err['loc'])}: {err['msg']}" for err in e.errors())
         print(f"transformd: error: bad settings: {problems}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if settings.device == "cuda":  # before the server starts: its start-up would fail with a traceback
+        from ..convert import resolve_device
+
+        resolve_device("cuda")  # RuntimeError: one line, exit 1
     handler = logging.StreamHandler()
     handler.setFormatter(VisibleFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
     return serve(settings)  # a SettingsError (2) or CacheError (1) is reported by transformd.cli.main
+
+
+def _named(loc: tuple[Any, ...]) -> str:
+    """A setting as an operator sets it: ``max_queued_conversions (TRANSFORMD_MAX_QUEUED_CONVERSIONS)``."""
+    name = ".".join(str(x) for x in loc)
+    return f"{name} (TRANSFORMD_{name.upper()})" if name.isidentifier() else name
 
 
 class VisibleFormatter(logging.Formatter):
