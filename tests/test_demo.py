@@ -33,3 +33,16 @@ def test_demo_converts_maps_reports_and_hits_the_cache(tmp_path: Path) -> None:
     assert f"its files stay in {tmp_path} (remove them with: rm -rf {tmp_path})" in text
     log = (tmp_path / "daemon.log").read_text()
     assert "Traceback" not in log
+
+
+def test_demo_refuses_a_dir_of_someone_elses_files(tmp_path: Path) -> None:
+    """``--dir`` holding files the demo did not make (a real checkpoint, a home directory) is refused before
+    anything is written: before, the demo filled it, changing a checkpoint's content, and its last line suggested
+    ``rm -rf`` of it."""
+    (tmp_path / "notes.txt").write_text("precious")
+    done = subprocess.run([sys.executable, "-m", "transformd", "demo", "--dir", str(tmp_path), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (f"transformd: error: --dir {tmp_path} holds files of its own (notes.txt); give the "
+                                   "demo a new or empty directory, or one an earlier demo made"), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and "rm -rf" not in done.stdout

@@ -27,12 +27,20 @@ from .report import compare_checkpoints, compare_modes_checkpoint, transformd_re
 from .sample import write_sample_checkpoint
 
 START_TIMEOUT_S = 60.0
+#: What the demo puts in its working directory: a ``--dir`` holding anything else is refused (it is not the demo's
+#: to fill, and the last line suggests removing it).
+DEMO_FILES = frozenset({"sample-mxfp8", "cache", "daemon.log", "transformd.sock"})
 
 
 def run_demo(workdir: Path | None = None, *, device: str = "auto", echo=print) -> Path:
     """Run the demo in ``workdir`` (a new temporary directory by default); returns the converted directory."""
     temporary = workdir is None
     workdir = Path(workdir).absolute() if workdir else Path(tempfile.mkdtemp(prefix="transformd-demo-"))
+    others = sorted(set(os.listdir(workdir)) - DEMO_FILES) if workdir.is_dir() else []
+    if others:
+        raise ValueError(f"--dir {workdir} holds files of its own ({', '.join(others[:3])}"
+                         f"{', ...' if len(others) > 3 else ''}); give the demo a new or empty directory, or one an "
+                         "earlier demo made")
     workdir.mkdir(parents=True, exist_ok=True)
     made = "a new temporary directory" if temporary else "--dir"
     echo(f"0. working directory ({made}): {workdir}: the sample, the daemon's socket, log and cache")
