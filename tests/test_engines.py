@@ -9,6 +9,7 @@ independent of transformd's own code; the opt-in check in ``tests/engines/`` run
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -352,6 +353,24 @@ def test_engine_that_cannot_load_is_refused_before_anything_is_written(tmp_path:
     assert cli.main(["inspect", str(tmp_path / "out")]) == 2
     out = capsys.readouterr().out
     assert "sglang: does not load" in out and "vllm: does not load" in out
+    first = next(line for line in out.splitlines() if line.startswith("sglang: does not load: "))
+    assert f"  {first.removeprefix('sglang: does not load: ')}" not in out.splitlines(), "said once, not twice"
+
+
+def test_inspect_refuses_a_dir_that_is_not_block_fp8(tmp_path: Path, capsys) -> None:
+    """What engines would make of an MXFP8 source, or a BF16 model, is not a converted checkpoint's readiness:
+    before, ``inspect`` said "vllm: loads at TP 1" of both (exit 0)."""
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(src, bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    del config["quantization_config"]
+    (bf16 / "config.json").write_text(json.dumps(config))
+    for path, said in ((src, "says quant_method 'modelopt'"), (bf16, "says no quantization_config"),
+                       (tmp_path / "none", "does not exist")):
+        assert cli.main(["inspect", str(path)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and said in captured.err and str(path) in captured.err, captured.err
 
 
 def test_inspect_a_loadable_dir(tmp_path: Path, capsys) -> None:

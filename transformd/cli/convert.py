@@ -40,7 +40,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                          help="where to convert (auto: the GPU when there is one)")
     convert.add_argument("--select", metavar="REGEX",
-                         help="convert only MXFP8 weights whose name matches (re.search); the others stay MXFP8")
+                         help="a check that the checkpoint's MXFP8 weights are the ones expected: each name must "
+                              "match REGEX (RE2, searched anywhere in it), else nothing is converted (a block-FP8 "
+                              "checkpoint cannot carry MXFP8 tensors, so none may stay)")
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     convert.add_argument("--report", action="store_true",
                          help="print the reconstruction error per tensor and overall before DIR")
@@ -301,15 +303,41 @@ def _run_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_block_fp8(src: Path) -> None:
+    """Refuse a directory whose config.json does not say block FP8 (``quant_method: fp8``): what engines would make of
+    it is not a block-FP8 checkpoint's readiness (a BF16 model "loads" unquantized; an MXFP8 one is the input)."""
+    import json
+
+    from ..errors import CheckpointError
+
+    if not src.is_dir():
+        raise CheckpointError("does not exist" if not src.exists() else "is not a directory", file=src)
+    config = src / "config.json"
+    if not config.exists():
+        return  # (readiness_of_dir says what is missing)
+    try:
+        qc = json.loads(config.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"cannot be read as JSON ({e.__class__.__name__})", file=config) from None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        said = f"quant_method {method!r}" if method is not None else "no quantization_config"
+        raise CheckpointError(f"says {said}, not a block-FP8 checkpoint's 'fp8': inspect DIR reports how engines load "
+                              "converted output (an MXFP8 checkpoint: convert it first, or compare it with its "
+                              "output: inspect SRC OUT)", file=config)
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
     if args.out is None:
         from ..checkpoint import readiness_of_dir
         from ..engines import readiness_line
 
+        _check_block_fp8(args.src)
         report = readiness_of_dir(args.src)
         for name, r in report.items():
             print(shown(f"{name}: {readiness_line(r.loads_at, r.problems)}"))
-            for line in [*r.problems, *(f"warning: {w}" for w in r.warnings)]:
+            below = r.problems if r.loads_at else r.problems[1:]  # (the first is on the line above)
+            for line in [*below, *(f"warning: {w}" for w in r.warnings)]:
                 print(f"  {shown(line)}")
         print(args.src)
         return EXIT_OK if any(r.loads for r in report.values()) else EXIT_BAD_INPUT
