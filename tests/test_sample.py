@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 
 import ml_dtypes
@@ -299,3 +300,10 @@ def test_mx_quantize_rejects_bad_input():
         mx_quantize(torch.zeros(4, 48))
     with pytest.raises(ValueError):
         mx_quantize(torch.full((1, 32), float("nan")))
+
+
+def test_every_file_has_the_mode_of_the_others(sample: Path):
+    """safetensors creates its files 0600: the sample's shards were unreadable by a daemon running as another
+    user (the container's uid 10001). Every file now has the umask's mode, as the JSON files do."""
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in sample.iterdir()}
+    assert set(modes.values()) == {modes["config.json"]}, modes

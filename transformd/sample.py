@@ -150,7 +150,7 @@ def write_sample_checkpoint(
     with _in_parallel() as made:
         if shards == 1:
             parts = embeddings + [part for n in range(layers) for part in _layer_parts(make, dims, n, fused_experts)]
-            save_file(made(parts), str(path / "model.safetensors"), metadata=_ST_METADATA)
+            _save(made(parts), path / "model.safetensors")
         else:
             # Shard 1: BF16 only. Layers go, in contiguous runs, to shards 2..N; each shard is
             # written as soon as it is complete, so memory holds one shard at a time.
@@ -274,7 +274,7 @@ class _ShardWriter:
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
         fname = f"model-{len(set(self.weight_map.values())) + 1:05d}-of-{self.shards:05d}.safetensors"
-        save_file(tensors, str(self.path / fname), metadata=_ST_METADATA)
+        _save(tensors, self.path / fname)
         for name, t in tensors.items():
             self.weight_map[name] = fname
             self.total_size += t.numel() * t.element_size()
@@ -282,6 +282,15 @@ class _ShardWriter:
     def write_index(self) -> None:
         index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.weight_map.items()))}
         _write_json(self.path / "model.safetensors.index.json", index)
+
+
+def _save(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """A shard, with the mode the other files get (safetensors creates its files 0600: a daemon running as another
+    user could not read a sample someone wrote for it)."""
+    save_file(tensors, str(file), metadata=_ST_METADATA)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(file, 0o666 & ~mask)
 
 
 def _write_json(file: Path, obj: dict) -> None:
