@@ -240,8 +240,15 @@ def test_non_empty_out_refused_and_overwrite(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not empty"):
         convert_checkpoint(src, out, device="cpu")
     assert _parent_listing(out) == ["keep.txt"] and _parent_listing(tmp_path) == ["out", "src"]
+    # --overwrite replaces an earlier conversion's output only (before, it removed whatever was there)
+    with pytest.raises(CheckpointError, match="not a transformd output"):
+        convert_checkpoint(src, out, device="cpu", overwrite=True)
+    assert _parent_listing(out) == ["keep.txt"] and _parent_listing(tmp_path) == ["out", "src"]
+    (out / "keep.txt").unlink()
+    convert_checkpoint(src, out, device="cpu", target="ocp")
+    (out / "stray.txt").write_text("x")
     convert_checkpoint(src, out, device="cpu", overwrite=True)
-    assert not (out / "keep.txt").exists()
+    assert not (out / "stray.txt").exists()
     assert_converted(src, out)
     assert _parent_listing(tmp_path) == ["out", "src"], "the replaced directory is removed"
 
@@ -330,6 +337,7 @@ def test_error_after_partial_output_leaves_existing_out_as_it_was(tmp_path: Path
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
+    (out / "config.json").write_text('{"quantization_config": {"transformd": {}}}')  # an earlier output's
     written: list[Progress] = []
     a_written = lambda: written and written[-1].tensors_done > len(shards[SHARD_A])  # noqa: E731
     convert = CpuConverter.__call__
@@ -347,7 +355,7 @@ def test_error_after_partial_output_leaves_existing_out_as_it_was(tmp_path: Path
     with pytest.raises(MxFormatError):
         convert_checkpoint(src, out, device="cpu", overwrite=True, progress=written.append)
     assert a_written(), "the error came after output was written"
-    assert _parent_listing(tmp_path) == ["out", "src"] and _parent_listing(out) == ["old.txt"]
+    assert _parent_listing(tmp_path) == ["out", "src"] and _parent_listing(out) == ["config.json", "old.txt"]
 
 
 def test_no_mxfp8_weights_refused(tmp_path: Path) -> None:

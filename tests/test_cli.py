@@ -109,8 +109,12 @@ def test_convert_non_empty_out_exit_2(tmp_path: Path, capsys) -> None:
     code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu")
     assert code == 2 and stdout == []
     assert len(stderr) == 1 and stderr[0].startswith("transformd: error: ") and "not empty" in stderr[0]
-    code, stdout, _ = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu", "--overwrite")
-    assert code == 0 and stdout[-1] == str(tmp_path / "out") and not (tmp_path / "out" / "x").exists()
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu", "--overwrite")
+    assert code == 2 and stdout == [] and "not a transformd output" in stderr[0] and (tmp_path / "out" / "x").exists()
+    (tmp_path / "out" / "x").unlink()
+    for _ in range(2):  # the second replaces the first's output
+        code, stdout, _ = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu", "--overwrite")
+        assert code == 0 and stdout[-1] == str(tmp_path / "out")
 
 
 def test_convert_invalid_values_exit_2_nothing_written(tmp_path: Path, capsys) -> None:
@@ -134,11 +138,6 @@ def test_a_hostile_tensor_name_cannot_drive_the_terminal(tmp_path: Path, capsys)
     assert code == 2 and stdout == [] and len(stderr) == 1
     assert "\x1b" not in stderr[0] and "\x07" not in stderr[0]
     assert "experts.9\\x1b[2J\\x1b]0;owned\\x07.down_proj.weight" in stderr[0] and "0xFF" in stderr[0], stderr
-
-
-def test_convert_not_a_checkpoint_exit_2(tmp_path: Path, capsys) -> None:
-    code, stdout, stderr = _run(capsys, "convert", tmp_path / "nowhere", "--out", tmp_path / "out")
-    assert code == 2 and stdout == [] and len(stderr) == 1 and "is not a directory" in stderr[0]
 
 
 @pytest.mark.parametrize(
@@ -367,13 +366,20 @@ def test_the_engine_check_of_a_cache_conversion_does_not_read_the_source_twice(t
     assert sorted(hashed) == sorted(p.name for p in src.iterdir() if p.is_file()), "each file hashed once"
 
 
-#: ``transformd`` with every output fsync held until a signal comes (said on standard error once the first holds).
+#: ``transformd`` with its first output fsync held (said on standard error) until the file argv[1] exists. SIGINT
+#: is Python's KeyboardInterrupt here even where the test runs with it ignored (a background job's).
 _HELD_AT_FSYNC = """
-import os, sys, time
-real = os.fsync
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+real, release, held_once = os.fsync, sys.argv.pop(1), []
 def held(fd):
-    print("holding", file=sys.stderr, flush=True)
-    time.sleep(60)
+    if not held_once:
+        held_once.append(fd)
+        print("holding", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    real(fd)
 os.fsync = held
 sys.argv = ["transformd", *sys.argv[1:]]
 from transformd.cli import run
@@ -392,8 +398,9 @@ def test_a_signal_mid_conversion_leaves_nothing_behind(tmp_path: Path, sig: str)
     src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
     out = tmp_path / "out" / "model"
     out.parent.mkdir()
-    child = subprocess.Popen([sys.executable, "-c", _HELD_AT_FSYNC, "convert", str(src), "--out", str(out),
-                              "--device", "cpu", "--target", "ocp"], stderr=subprocess.PIPE, text=True,
+    release = tmp_path / "release"
+    child = subprocess.Popen([sys.executable, "-c", _HELD_AT_FSYNC, str(release), "convert", str(src), "--out",
+                              str(out), "--device", "cpu", "--target", "ocp"], stderr=subprocess.PIPE, text=True,
                              cwd=Path(__file__).parents[1])
     try:
         for line in child.stderr:
@@ -402,6 +409,8 @@ def test_a_signal_mid_conversion_leaves_nothing_behind(tmp_path: Path, sig: str)
         time.sleep(0.2)
         assert os.listdir(out.parent), "a staging directory beside --out while it converts"
         child.send_signal(getattr(signal, sig))
+        time.sleep(0.2)
+        release.touch()  # (a held fsync in another thread than the signal's goes on)
         rest = child.stderr.read()
         code = child.wait(timeout=60)
     finally:
@@ -428,3 +437,28 @@ def test_serve_says_in_one_line_what_keeps_it_from_starting(tmp_path: Path) -> N
     assert gpu.returncode == 1, gpu.stderr
     assert gpu.stderr == "transformd: error: --device cuda was asked for, but PyTorch sees no GPU\n", gpu.stderr
     assert not (tmp_path / "td.sock").exists()
+
+
+def test_a_source_that_does_not_exist_is_named_as_such(tmp_path: Path, capsys) -> None:
+    """Before, ``convert /no/such --out DIR`` said it "is not a directory"."""
+    code, stdout, stderr = _run(capsys, "convert", tmp_path / "nope", "--out", tmp_path / "out", "--device", "cpu")
+    assert code == 2 and stdout == [] and stderr == [f"transformd: error: file {tmp_path / 'nope'}: does not exist"]
+    (tmp_path / "file").write_text("x")
+    code, _, stderr = _run(capsys, "convert", tmp_path / "file", "--out", tmp_path / "out", "--device", "cpu")
+    assert code == 2 and stderr == [f"transformd: error: file {tmp_path / 'file'}: is not a directory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_flags_that_cannot_apply_are_refused_not_ignored(tmp_path: Path, capsys) -> None:
+    """Before, ``--out`` with ``--cache-dir`` or ``--no-daemon`` ignored them, and negative times were taken."""
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    for extra, said in ((["--cache-dir", str(tmp_path / "c")], "--cache-dir: "), (["--no-daemon"], "--no-daemon: ")):
+        code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "out", "--device", "cpu", *extra)
+        assert code == 2 and stdout == [] and stderr == [f"transformd: error: {said}for a conversion into the cache, "
+                                                         "not with --out"], stderr
+    for argv, said in ((["convert", str(src), "--progress-every", "-5"], "-5 is not a number of seconds (0 or more)"),
+                       (["resolve", str(src), "--timeout", "-1"], "-1 is not a positive number of seconds"),
+                       (["resolve", str(src), "--request-timeout", "0"], "0 is not a positive number of seconds")):
+        assert cli.main(argv) == 2, argv
+        assert said in capsys.readouterr().err, argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -365,7 +365,9 @@ def test_sigkill_inside_an_overwrite_publish(tmp_path: Path, where: str, fault_l
     work = tmp_path / "work"
     out = work / "out"
     out.mkdir(parents=True)
-    (out / "old.txt").write_text("the previous output")
+    old = {"old.txt": b"the previous output", "config.json": b'{"quantization_config": {"transformd": {}}}'}
+    for name, data in old.items():  # (an earlier conversion's output: --overwrite replaces nothing else)
+        (out / name).write_bytes(data)
     expected = files(convert_checkpoint(src, tmp_path / "expected", device="cpu").out)
 
     cmd = [sys.executable, "-c", _CHILD, str(src), str(out), where]
@@ -378,7 +380,7 @@ def test_sigkill_inside_an_overwrite_publish(tmp_path: Path, where: str, fault_l
 
         with pytest.raises(CheckpointError, match="not empty"):
             convert_checkpoint(src, out, device="cpu")
-        assert files(out) == {"old.txt": b"the previous output"}
+        assert files(out) == old
         assert _leftovers(work) == [], "the complete but unpublished staging directory is removed too"
         outcome = "the next run put the old output back (the overwrite never happened); --overwrite then succeeded"
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import json
 import os
 import shutil
 import sys
@@ -261,9 +262,25 @@ def _check_out(src: Path, out: Path, overwrite: bool) -> None:
         return
     if not out.is_dir():
         raise CheckpointError("exists and is not a directory", file=out)
-    if any(out.iterdir()) and not overwrite:
-        problem = "the output directory is not empty; pass --overwrite (overwrite=True) to replace it"
-        raise CheckpointError(problem, file=out)
+    if not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise CheckpointError("the output directory is not empty; pass --overwrite (overwrite=True in Python) to "
+                              "replace an earlier conversion's output there", file=out)
+    if not _is_transformd_output(out):
+        raise CheckpointError("holds files that are not a transformd output (its config.json has no "
+                              "quantization_config.transformd record): --overwrite replaces only an earlier "
+                              "conversion's output; remove them yourself, or choose another --out", file=out)
+
+
+def _is_transformd_output(out: Path) -> bool:
+    """Whether ``out`` holds what a conversion wrote: its config.json's ``quantization_config.transformd`` record."""
+    try:
+        with open(out / "config.json", "rb") as f:
+            config = json.loads(f.read(64 << 20))
+        return isinstance(config["quantization_config"]["transformd"], dict)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 

@@ -125,7 +125,7 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
     """
     src = Path(src)
     if not src.is_dir():
-        raise CheckpointError("is not a directory", file=src)
+        raise CheckpointError("is not a directory" if src.exists() else "does not exist", file=src)
     select_re = _compile_select(select)
     config = _load_json(src / CONFIG_NAME, required=True)
     hf_quant = _load_json(src / HF_QUANT_NAME, required=False)

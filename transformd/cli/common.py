@@ -63,6 +63,27 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def positive_float(text: str) -> float:
+    """A finite number of seconds above 0 (argparse's type)."""
+    return _seconds(text, zero_ok=False)
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number of seconds, 0 or more (argparse's type)."""
+    return _seconds(text, zero_ok=True)
+
+
+def _seconds(text: str, *, zero_ok: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not ((value >= 0) if zero_ok else (value > 0)) or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text} is not {'a number of seconds (0 or more)' if zero_ok else 'a positive number of seconds'}")
+    return value
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:

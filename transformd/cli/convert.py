@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats import ScaleMode
-from .common import EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, positive_int, shown, visible
+from .common import EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, non_negative_float, positive_int, shown, visible
 
 __all__ = ["add_commands"]
 
@@ -43,7 +43,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                          help="a check that the checkpoint's MXFP8 weights are the ones expected: each name must "
                               "match REGEX (RE2, searched anywhere in it), else nothing is converted (a block-FP8 "
                               "checkpoint cannot carry MXFP8 tensors, so none may stay)")
-    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace an earlier conversion's output in DIR (a DIR of other files is refused)")
     convert.add_argument("--report", action="store_true",
                          help="print the reconstruction error per tensor and overall before DIR")
     convert.add_argument("--no-head-start", action="store_true",
@@ -55,7 +56,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                               "same cache directory (by default that daemon converts, without this process's "
                               "start-up, and this command shows its progress; found as for 'transformd resolve': "
                               "$TRANSFORMD_SOCKET, $XDG_RUNTIME_DIR/transformd.sock, /run/transformd/transformd.sock)")
-    convert.add_argument("--progress-every", metavar="S", type=float, default=5.0,
+    convert.add_argument("--progress-every", metavar="S", type=non_negative_float, default=5.0,
                          help="seconds between progress lines when standard error is not a terminal (default 5)")
     convert.set_defaults(handler=_run_convert)
 
@@ -177,6 +178,10 @@ def _run_convert(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.out is None:
         return _run_convert_cached(args, target, why)
+    cache_only = [flag for flag, given in (("--cache-dir", args.cache_dir is not None), ("--no-daemon", args.no_daemon))
+                  if given]
+    if cache_only:
+        raise ValueError(f"{' and '.join(cache_only)}: for a conversion into the cache, not with --out")
     from ..progress import ConvertProgress, summary
 
     bar = ConvertProgress(sys.stderr, every_s=args.progress_every)

@@ -40,7 +40,7 @@ from ..client import (
 )
 from ..engines import TARGET_CHOICES, Engine, readiness_line
 from ..progress import human_bytes
-from .common import EXIT_FAILURE, EXIT_OK, exit_code, fail, shown
+from .common import EXIT_FAILURE, EXIT_OK, exit_code, fail, non_negative_float, positive_float, shown
 
 __all__ = ["ProgressReporter", "add_commands", "resolve_with_progress", "run_health", "run_resolve"]
 
@@ -61,7 +61,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument("--url", metavar="URL", help="daemon's TCP address instead, e.g. http://127.0.0.1:8471")
     connection.add_argument("--token-file", metavar="FILE",
                             help=f"bearer token for --url (default: ${ENV_TOKEN_FILE})")
-    connection.add_argument("--request-timeout", metavar="S", type=float, default=30.0,
+    connection.add_argument("--request-timeout", metavar="S", type=positive_float, default=30.0,
                             help="limit for each HTTP request (default 30)")
 
     resolve = subparsers.add_parser(
@@ -89,14 +89,15 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                               "tensor-parallel size")
     resolve.add_argument("--scale-mode", choices=SCALE_MODES, default="exact",
                          help="exact: power-of-two tile scales (default); amax: amax/448")
-    resolve.add_argument("--select", metavar="REGEX", help="convert only weights whose name matches")
-    resolve.add_argument("--timeout", metavar="S", type=float, default=None,
+    resolve.add_argument("--select", metavar="REGEX",
+                         help="a check: every MXFP8 weight's name must match (RE2), else nothing is converted")
+    resolve.add_argument("--timeout", metavar="S", type=positive_float, default=None,
                          help="give up waiting after S seconds (exit 1; the conversion goes on). Default: no limit")
     resolve.add_argument("--reconnect", metavar="S", type=float, default=DEFAULT_RECONNECT_S,
                          help="when the daemon goes away during the wait (restarted), wait up to S seconds for it "
                               f"to answer again and ask it again (default {DEFAULT_RECONNECT_S:g}; 0: fail at once)")
-    resolve.add_argument("--poll-interval", metavar="S", type=float, default=0.5, help=argparse.SUPPRESS)
-    resolve.add_argument("--progress-every", metavar="S", type=float, default=5.0,
+    resolve.add_argument("--poll-interval", metavar="S", type=positive_float, default=0.5, help=argparse.SUPPRESS)
+    resolve.add_argument("--progress-every", metavar="S", type=non_negative_float, default=5.0,
                          help="seconds between progress lines when standard error is not a terminal (default 5)")
     resolve.set_defaults(handler=run_resolve)
 
