@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 from transformd.checkpoint import Progress
 from transformd.progress import ConvertProgress, Eta, summary
@@ -96,3 +97,26 @@ def test_one_progress_record_from_the_pipeline_to_the_client() -> None:
     assert status.progress == sent.replace(phase="waiting")
     answer = ProgressModel.model_validate(sent.as_dict()).model_dump()
     assert client.CheckpointStatus.from_json({"key": "k", "state": "converting", "progress": answer}).progress == sent
+
+
+def test_a_terminal_that_reports_no_width_gets_the_log_lines() -> None:
+    """A pty nobody sized (``pty.fork`` without a window size) reports 0 columns: tqdm drew nothing there, so a
+    conversion showed no progress at all. Such a terminal gets the lines; a sized one the bar."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from transformd.progress import draws_a_bar
+
+    leader, follower = pty.openpty()
+    try:
+        with open(follower, "w", closefd=False) as stream:
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+            assert stream.isatty() and not draws_a_bar(stream)
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+            assert draws_a_bar(stream)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert not draws_a_bar(io.StringIO())

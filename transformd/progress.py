@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import re
 import time
 from collections.abc import Callable
@@ -157,6 +158,17 @@ def human_seconds(s: float) -> str:
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
+def draws_a_bar(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal a bar can be drawn on: one that reports no width (a pty nobody sized) gets
+    the log lines instead (a bar there showed nothing at all)."""
+    if not stream.isatty():
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError, AttributeError):  # a terminal without a descriptor to ask (a wrapper)
+        return True
+
+
 class ConvertProgress:
     """Progress of ``transformd convert`` on ``stream``: a tqdm bar on a terminal, else one line every
     ``every_s`` seconds (the first ``every_s`` after the first update, so a short conversion prints none).
@@ -165,7 +177,7 @@ class ConvertProgress:
     def __init__(self, stream: TextIO, *, every_s: float = 5.0, tty: bool | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._stream = stream
-        self._tty = stream.isatty() if tty is None else tty
+        self._tty = draws_a_bar(stream) if tty is None else tty
         self._every = every_s
         self._clock = clock
         self._eta = Eta(clock)

@@ -39,7 +39,7 @@ from ..client import (
     TransformdError,
 )
 from ..engines import TARGET_CHOICES, Engine, readiness_line
-from ..progress import human_bytes
+from ..progress import draws_a_bar, human_bytes
 from .common import EXIT_FAILURE, EXIT_OK, exit_code, fail, non_negative_float, positive_float, shown
 
 __all__ = ["ProgressReporter", "add_commands", "resolve_with_progress", "run_health", "run_resolve"]
@@ -218,7 +218,7 @@ class ProgressReporter:
     def __init__(self, stream: TextIO, *, every_s: float = 5.0, tty: bool | None = None,
                  clock: Any = time.monotonic) -> None:
         self._stream = stream
-        self._tty = stream.isatty() if tty is None else tty
+        self._tty = draws_a_bar(stream) if tty is None else tty
         self._every = every_s
         self._clock = clock
         self._bar: Any = None
