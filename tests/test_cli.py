@@ -462,3 +462,17 @@ def test_flags_that_cannot_apply_are_refused_not_ignored(tmp_path: Path, capsys)
         assert cli.main(argv) == 2, argv
         assert said in capsys.readouterr().err, argv
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_resolve_ends_on_sigterm_as_on_ctrl_c_with_its_own_status(capsys, monkeypatch) -> None:
+    """resolve's own handler of Ctrl-C took SIGTERM's Terminated too and said 130 'interrupted' (a review)."""
+    from transformd.cli import resolve as resolve_cli
+    from transformd.cli.common import Terminated
+
+    for raised, code, said in ((Terminated, 143, "terminated (SIGTERM; "), (KeyboardInterrupt, 130, "interrupted (")):
+        def stopped(*args, raised=raised, **kwargs):
+            raise raised
+
+        monkeypatch.setattr(resolve_cli, "resolve_with_progress", stopped)
+        assert cli.main(["resolve", "/models/x", "--socket", "/nonexistent.sock"]) == code
+        assert capsys.readouterr().err == f"transformd: error: {said}the conversion goes on in the daemon)\n"

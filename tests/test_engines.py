@@ -9,6 +9,7 @@ independent of transformd's own code; the opt-in check in ``tests/engines/`` run
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -366,8 +367,11 @@ def test_inspect_refuses_a_dir_that_is_not_block_fp8(tmp_path: Path, capsys) -> 
     config = json.loads((bf16 / "config.json").read_text())
     del config["quantization_config"]
     (bf16 / "config.json").write_text(json.dumps(config))
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")  # read through the checked reads: refused, never waited on (a review saw a hang)
     for path, said in ((src, "says quant_method 'modelopt'"), (bf16, "says no quantization_config"),
-                       (tmp_path / "none", "does not exist")):
+                       (tmp_path / "none", "does not exist"), (fifo, "is not a regular file")):
         assert cli.main(["inspect", str(path)]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and said in captured.err and str(path) in captured.err, captured.err

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from transformd.cache import keys
 from transformd.sample import write_sample_checkpoint
 
 from .support.daemon import Daemons, short_tempdir, wait_ready
@@ -103,7 +105,7 @@ def test_a_cached_entry_is_served_only_to_callers_who_can_read_its_source(world:
                      "lease, delete, POST)", len(answers) + 6, "403 each; served after POSTing its own readable copy")
 
 
-@pytest.mark.parametrize("when", ["plan", "conversion", "engine check"])
+@pytest.mark.parametrize("when", ["plan", "conversion", "engine check", "keyed conversion"])
 def test_a_source_swapped_after_its_check_is_not_converted_for_the_caller(daemons: Daemons, fault_log, monkeypatch,
                                                                           when: str) -> None:
     """A checkpoint converted as it is hashed (read once) is checked for the caller on its first open, and the job
@@ -112,7 +114,10 @@ def test_a_source_swapped_after_its_check_is_not_converted_for_the_caller(daemon
     (a review's race, timed there with inotify; here at each reopen). Before: the daemon converted the private
     checkpoint and answered uid 65534 with its key and path (its files then readable through the cache), or a 422
     naming its files. Now the reopened tree must be the one that was checked (its path and files' stat
-    signatures), and the readiness check reads only what the caller could read."""
+    signatures), and the readiness check reads only what the caller could read. A source keyed when it was asked
+    for (small, or known to the stat cache) waits in the queue as a job of that key: its worker reopened the path
+    and hashed the private files, and the 409 named their key, so a caller could confirm a guess of another's
+    content (a review of the first fix); now the worker converts only the files the request identified."""
     from transformd.daemon import app as app_module, service as service_module
 
     base = short_tempdir("tdsw-")
@@ -151,17 +156,31 @@ def test_a_source_swapped_after_its_check_is_not_converted_for_the_caller(daemon
 
         if when == "plan":
             swapping_first(service_module.ConversionService, "_plan_blocking")
-        elif when == "conversion":
+        elif when in ("conversion", "keyed conversion"):
             swapping_first(service_module.ConversionService, "_run")
         else:
             swapping_first(app_module, "_plan_readiness")
         daemon = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdsw-", log_level="critical")
-        daemon.daemon.cache.hash_alongside_min_bytes = 0  # (real checkpoints take this path from 256 MiB on)
+        if when != "keyed conversion":  # converted as it is hashed (real checkpoints: from 256 MiB on)
+            daemon.daemon.cache.hash_alongside_min_bytes = 0
+        read = []
+        hash_file = keys.hash_file
+        monkeypatch.setattr(keys, "hash_file", lambda path, *a, **kw: read.append(os.readlink(path))
+                            or hash_file(path, *a, **kw))
         os.chmod(daemon.socket_path.parent, 0o755)
         os.chmod(daemon.socket_path, 0o666)
         request = {"source": str(decoy), **({"engine": "vllm"} if when == "engine check" else {})}
         (status, body), = as_uid(daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints", request)])
+        if status == 202 and when == "keyed conversion":  # queued under its key: the job fails
+            key, deadline = body["key"], time.monotonic() + 60
+            while body.get("state") not in ("failed", "ready") and time.monotonic() < deadline:
+                time.sleep(0.1)
+                (status, body), = as_uid(daemon.socket_path, NOBODY, [("GET", f"/v1/checkpoints/{key}", None)])
+            assert body["state"] == "failed", body
+            status, body = body["error"]["status"], {"error": body["error"]}
+            assert set(re.findall("[0-9a-f]{32}", body["error"]["message"])) <= {key}, body
         assert swapped, "the swap happened"
+        assert not [p for p in read if p.startswith(str(home))], "no file of the private checkpoint read"
         code = {"engine check": "permission_denied"}.get(when, "source_changed")
         assert status in (403, 409) and body["error"]["code"] == code, (status, body)
         assert str(private) not in json.dumps(body)

@@ -380,3 +380,32 @@ def test_one_uids_connections_with_trickling_bodies_do_not_lock_out_the_others(t
     fault_log.record(CATEGORY, f"one uid opens {n} unix connections, each a POST whose body trickles (listener "
                      f"limit {limit}, {per_uid} per uid)", n,
                      f"past {per_uid}: JSON 503 for that uid only; others answered; the rest JSON 408 after 1.5 s")
+
+
+def test_a_kept_alive_connections_next_request_has_a_header_deadline_too(tmp_path: Path, daemons: Daemons,
+                                                                         fault_log) -> None:
+    """The header deadline was armed once, for a connection's first request: a complete request, then a few bytes
+    of a second one, held the connection for good (the first byte stops uvicorn's keep-alive timer; a review held
+    one 20 s past a 1 s deadline). Many such connections would fill the listener."""
+    (tmp_path / "models").mkdir()
+    daemon = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[tmp_path / "models"], prefix="tdk-",
+                           log_level="critical", header_timeout_s=1.0)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    try:
+        s.connect(str(daemon.socket_path))
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: td\r\n\r\n")
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost:")  # and nothing more
+        t0 = time.monotonic()
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        waited = time.monotonic() - t0
+    finally:
+        s.close()
+    assert b"408" in got.split(b"\r\n")[0] and b'"request_timeout"' in got, got
+    assert waited < 5, waited
+    fault_log.record(CATEGORY, "a kept-alive connection's second request sends part of its headers, then nothing",
+                     1, f"JSON 408 and closed after {waited:.1f} s (deadline 1 s)")

@@ -596,12 +596,15 @@ def check_same_tree(tree: SourceTree, recipe: Recipe, slot: str, src: str | os.P
                                  "at its path now)")
 
 
-def identity_slot(identity: SourceIdentity, recipe: Recipe) -> str | None:
-    """:func:`provisional_key` of the tree ``identity`` was computed from (None: its stat signatures unknown)."""
-    if len(identity.stats) != len(identity.files):
-        return None
-    return provisional_key_of(str(identity.path), [[f.name, *s] for f, s in zip(identity.files, identity.stats)],
-                              recipe)
+def check_same_files(tree: SourceTree, identity: SourceIdentity, src: str | os.PathLike[str]) -> None:
+    """Raise :class:`SourceChangedError` unless ``tree`` is the directory ``identity`` was computed from, with the
+    same files (names, devices and inodes): as :func:`check_same_tree`, for a job whose key is known. Times and
+    sizes may move (a touch, a chmod while the job waits in the queue): the key checks the content itself."""
+    files = [(f.rel, f.st.st_dev, f.st.st_ino) for f in tree.files]
+    if tree.real != str(identity.path) or files != [(f.name, s[0], s[1]) for f, s in zip(identity.files,
+                                                                                        identity.stats)]:
+        raise SourceChangedError(f"source {src} changed after it was requested (other files, or another directory, "
+                                 "at its path now)")
 
 
 def provisional_files(tree: SourceTree) -> list[list[Any]]:

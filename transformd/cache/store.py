@@ -48,6 +48,7 @@ from .keys import (
     SourceIdentity,
     StatCache,
     cache_key,
+    check_same_files,
     check_same_tree,
     hash_own_file,
     identity_of_tree,
@@ -393,32 +394,33 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         identity: SourceIdentity | None = None,
         expect_key: str | None = None,
         expect_slot: str | None = None,
+        expect_files: SourceIdentity | None = None,
     ) -> Entry:
         """The entry of ``src`` converted with ``recipe``, converting it if needed.
 
         ``identity``: this process' identity of ``src`` from moments ago (:meth:`identity`); files whose stat
         signature is unchanged are not read again to key them. ``expect_key``: the key the caller asked for;
         a source whose content no longer has it raises :class:`SourceChangedError` before anything is converted.
-        ``expect_slot``: the :func:`.keys.provisional_key` the source had when it was requested (its content not
-        known then): another directory or other files at its path now raise :class:`SourceChangedError`.
+        ``expect_slot`` (its :func:`.keys.provisional_key` when requested) and ``expect_files`` (an identity): other
+        files or another directory at its path now raise :class:`SourceChangedError` (a swapped symbolic link).
 
-        Single flight: whatever the number of threads and processes asking for one key, one
-        converts, the others poll (every ``poll_interval`` s, calling ``progress`` with the
-        converter's status, ``waiting=True``) and return the same entry. If the converting
-        process dies, a waiter takes over; if its conversion fails, waiters raise
-        :class:`ConversionFailedError`. ``progress`` also receives this process' own
-        conversion's updates. ``lease_ttl`` returns the entry with a lease of this process
-        already held (``entry.lease``), so it cannot be evicted between lookup and use.
+        Single flight: whatever the number of threads and processes asking for one key, one converts, the others
+        poll (every ``poll_interval`` s, calling ``progress`` with the converter's status, ``waiting=True``) and
+        return the same entry. If the converting process dies, a waiter takes over; if its conversion fails,
+        waiters raise :class:`ConversionFailedError`. ``progress`` also receives this process' own conversion's
+        updates. ``lease_ttl`` returns the entry with a lease of this process already held (``entry.lease``), so it
+        cannot be evicted between lookup and use.
 
-        Raises :class:`SourceError`, the converter's own errors for invalid input (e.g.
-        ``MxFormatError``), :class:`CacheFullError` (the entry cannot fit; nothing changed),
-        :class:`DiskFullError` (the disk filled up; staging removed, entries intact),
-        :class:`CacheTimeoutError`.
+        Raises :class:`SourceError`, the converter's own errors for invalid input (e.g. ``MxFormatError``),
+        :class:`CacheFullError` (the entry cannot fit; nothing changed), :class:`DiskFullError` (the disk filled
+        up; staging removed, entries intact), :class:`CacheTimeoutError`.
         """
         recipe = recipe or Recipe()
         with self.open_source(src) as tree:
             if expect_slot is not None:
                 check_same_tree(tree, recipe, expect_slot, src)
+            if expect_files is not None:
+                check_same_files(tree, expect_files, src)
             try:
                 return self._get_or_convert(
                     tree, src, recipe, progress, converter, timeout, lease_ttl, poll_interval, identity, expect_key
@@ -452,10 +454,8 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         ident = identity_of_tree(tree, stat_cache=self.stat_cache, before_hashing=self.check_fits, known=known)
         key = cache_key(ident, recipe)
         if expect_key is not None and key != expect_key:
-            raise SourceChangedError(
-                f"source {src} changed after it was requested (its content now has key {key}, not {expect_key}); "
-                "ask for it again"
-            )
+            raise SourceChangedError(  # (not naming the new key: it is that of whatever the path now names)
+                f"source {src} changed after it was requested (its content is no longer that of key {expect_key})")
         identify_s = time.monotonic() - t0
         waiter = Waiter(self, key, src, progress, timeout, poll_interval, by_key=True) if waited else None
         lock = FileLock(self.locks_dir / f"{key}.lock")

@@ -10,8 +10,10 @@ id the map does not cover) names the file itself (``file:<device>:<inode>``): su
 shared with another file's, since another owner may hide behind the same id. A POSIX ACL's user and group ids
 are translated the same way (the kernel shows them in the reader's namespace); one that cannot be is named by file.
 
-Only one level is translated: processes whose namespaces have different parents (nested containers) name writers
-differently, which costs a conversion, never a shared entry.
+Only one level is translated, to the parent namespace's ids, which are the host's for a container. A process in a
+nested namespace (a container inside a rootless one) names writers in its parent's ids, which may name other users
+on the host: two owners can then share a name, as they could before. Run the daemon in the host's user namespace
+or one level below it (a container's), where that cannot happen.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
-import json
 import os
 import shutil
 import sys
@@ -27,7 +26,7 @@ from ..formats import ScaleMode, Target
 from ..progress import Progress, human_bytes
 from ..readahead import last_shard_in_page_cache
 from .hf_config import copy_other_files, write_metadata_files
-from .plan import ConversionPlan, check_engine, output_bytes, plan_conversion, plan_readiness
+from .plan import CONFIG_NAME, ConversionPlan, _load_json, check_engine, output_bytes, plan_conversion, plan_readiness
 
 if TYPE_CHECKING:  # (torch is imported by the conversion itself: a head start converts while that import runs)
     import torch
@@ -276,10 +275,9 @@ def _check_out(src: Path, out: Path, overwrite: bool) -> None:
 def _is_transformd_output(out: Path) -> bool:
     """Whether ``out`` holds what a conversion wrote: its config.json's ``quantization_config.transformd`` record."""
     try:
-        with open(out / "config.json", "rb") as f:
-            config = json.loads(f.read(64 << 20))
-        return isinstance(config["quantization_config"]["transformd"], dict)
-    except (OSError, ValueError, KeyError, TypeError):
+        config = _load_json(out / CONFIG_NAME, required=False)  # (checked reads: no FIFO, size limit, depth)
+        return isinstance(config["quantization_config"]["transformd"], dict)  # type: ignore[index]
+    except (CheckpointError, KeyError, TypeError):
         return False
 
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from . import cache, convert, resolve, serve
-from .common import EXIT_BAD_INPUT, exit_code, fail
+from .common import EXIT_BAD_INPUT, EXIT_TERMINATED, Terminated, exit_code, fail
 
 __all__ = ["build_parser", "main", "run"]
 
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except Terminated:
-        return fail("terminated (SIGTERM)", 128 + signal.SIGTERM)
+        return fail("terminated (SIGTERM)", EXIT_TERMINATED)
     except KeyboardInterrupt:
         return fail("interrupted", 130)
     except Exception as err:
@@ -78,11 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is, as Ctrl-C's KeyboardInterrupt is: the same clean-ups run (before,
-    the process died at once and left a conversion's staging directory behind)."""
 
 
 def _terminate(signum: int, frame: object) -> None:

@@ -10,8 +10,16 @@ from .. import errors
 from ..engines import TARGET_CHOICES, Engine
 from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILURE", "EXIT_OK", "add_target_arguments", "exit_code", "fail", "positive_int",
-           "shown", "visible"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILURE", "EXIT_OK", "EXIT_TERMINATED", "Terminated", "add_target_arguments",
+           "exit_code", "fail", "non_negative_float", "positive_float", "positive_int", "shown", "visible"]
+
+#: Exit status after SIGTERM (128 + 15, as a shell reports a process the signal ended).
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, as Ctrl-C's KeyboardInterrupt is (:func:`transformd.cli.main`):
+    the same clean-ups run (before, the process died at once and left a conversion's staging directory behind)."""
 
 
 def exit_code(err: BaseException) -> int | None:

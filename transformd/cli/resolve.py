@@ -40,7 +40,8 @@ from ..client import (
 )
 from ..engines import TARGET_CHOICES, Engine, readiness_line
 from ..progress import draws_a_bar, human_bytes
-from .common import EXIT_FAILURE, EXIT_OK, exit_code, fail, non_negative_float, positive_float, shown
+from .common import (EXIT_FAILURE, EXIT_OK, EXIT_TERMINATED, Terminated, exit_code, fail, non_negative_float,
+                     positive_float, shown)
 
 __all__ = ["ProgressReporter", "add_commands", "resolve_with_progress", "run_health", "run_resolve"]
 
@@ -141,6 +142,8 @@ def run_resolve(args: argparse.Namespace) -> int:
             )
     except TransformdError as err:
         return fail(err, exit_code(err))
+    except Terminated:
+        return fail("terminated (SIGTERM; the conversion goes on in the daemon)", EXIT_TERMINATED)
     except KeyboardInterrupt:
         return fail("interrupted (the conversion goes on in the daemon)", 130)
     if last is not None:

@@ -129,8 +129,9 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
     """A subclass of uvicorn's HTTP protocol ``base``: the unix peer's :class:`Caller` in every scope, a limit of
     open connections per listener kind (``{"unix": n, "tcp": m}``; past it, a JSON 503 and close, so a flood of
     TCP connections never takes the unix socket's capacity) and per unix peer uid (``max_per_uid``, root's not
-    counted: one uid's flood never takes the others'), and a deadline for the first request's headers (an idle or
-    trickling connection gets a JSON 408 and is closed; uvicorn's keep-alive timeout covers the rest, and
+    counted: one uid's flood never takes the others'), and a deadline for each request's headers, the first's from
+    the connection, a kept-alive connection's next from its first byte (an idle or trickling connection gets a JSON
+    408 and is closed; uvicorn's keep-alive timeout covers the time between requests, and
     :class:`.middleware.BodyLimit` a request's body)."""
     limits = dict(max_connections or {})
     counts = {"unix": 0, "tcp": 0}
@@ -141,6 +142,7 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
         _td_kind: str | None = None
         _td_uid: int | None = None  # a counted unix peer's
         _td_timer: Any = None
+        _td_armed_for: Any = None  # the request cycle that was the last when the header deadline was armed
 
         def connection_made(self, transport: Any) -> None:
             sock = transport.get_extra_info("socket")
@@ -178,14 +180,24 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
             transport.close()
 
         def _td_header_deadline(self) -> None:
-            if getattr(self, "cycle", None) is None and not self.transport.is_closing():
+            self._td_timer = None
+            if getattr(self, "cycle", None) is self._td_armed_for and not self.transport.is_closing():
                 self.transport.write(_raw_error(408, "Request Timeout", "request_timeout",
                                                 f"no complete request within {header_timeout_s:g} s"))
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
-            if not self._td_refused:
-                super().data_received(data)
+            if self._td_refused:
+                return
+            cycle = getattr(self, "cycle", None)
+            if cycle is not None and cycle.response_complete and self._td_armed_for is not cycle:
+                # bytes of a next request on a kept-alive connection (they stopped uvicorn's keep-alive timer):
+                # its headers get the same deadline as the first request's, from its first byte
+                if self._td_timer is not None:
+                    self._td_timer.cancel()
+                self._td_armed_for = cycle
+                self._td_timer = self.loop.call_later(header_timeout_s, self._td_header_deadline)
+            super().data_received(data)
 
         def eof_received(self) -> None:
             if not self._td_refused:

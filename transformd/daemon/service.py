@@ -29,7 +29,7 @@ from typing import Any
 import anyio.to_thread
 
 from ..cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
-from ..cache.keys import check_same_tree, identity_slot
+from ..cache.keys import check_same_files, check_same_tree
 from ..progress import COUNTERS, Eta, Progress, human_bytes
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
@@ -322,9 +322,10 @@ class ConversionService:
         """The converter's check of the job's source, reading only the checked descriptors (a view) of the tree the
         request checked (:func:`.keys.check_same_tree`: its errors name no other files)."""
         with self.cache.open_source(job.source) as tree:
-            slot = job.slot or (identity_slot(job.identity, job.recipe) if job.identity is not None else None)
-            if slot is not None:
-                check_same_tree(tree, job.recipe, slot, job.source)
+            if job.slot is not None:
+                check_same_tree(tree, job.recipe, job.slot, job.source)
+            elif job.identity is not None:
+                check_same_files(tree, job.identity, job.source)
             view = tree.view()
             try:
                 return plan_of(self.converter, view, job.recipe)
@@ -470,6 +471,7 @@ class ConversionService:
                 identity=job.identity,
                 expect_key=None if job.slot is not None else job.key,
                 expect_slot=job.slot,  # (the provisional key of the tree the request checked)
+                expect_files=job.identity if job.slot is None else None,  # (the files it identified)
                 poll_interval=POLL_INTERVAL_S,
             )
             outcome = {"converted": "converted", "waited": "waited"}.get(entry.outcome, "hit")
