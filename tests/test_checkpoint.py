@@ -417,3 +417,14 @@ def test_missing_config_and_shards_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="neither model.safetensors.index.json nor model.safetensors"):
         convert_checkpoint(empty, tmp_path / "out", device="cpu")
     assert _parent_listing(tmp_path) == ["empty", "src"]
+
+
+def test_a_conversions_output_fed_back_in_is_refused_as_such(tmp_path: Path) -> None:
+    """Before, converting an output again failed on its first FP8 weight ("scale is F32 [2, 1], not E8M0 ... not an
+    MXFP8 weight"), which did not say that the directory is converted already."""
+    src = write_checkpoint(tmp_path / "src")
+    convert_checkpoint(src, tmp_path / "out", device="cpu", target="ocp")
+    with pytest.raises(CheckpointError, match="records a transformd conversion") as info:
+        convert_checkpoint(tmp_path / "out", tmp_path / "again", device="cpu")
+    assert str(tmp_path / "out" / "config.json") in str(info.value)
+    assert _parent_listing(tmp_path) == ["out", "src"]

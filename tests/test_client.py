@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -269,6 +270,13 @@ def test_unreachable_daemon(world, tmp_path):
     with TransformdClient(socket=tmp_path / "none.sock", timeout=2) as c, pytest.raises(DaemonUnavailableError) as info:
         c.health()
     assert info.value.status is None and "no socket at" in info.value.message
+    stale = tmp_path / "stale.sock"  # a socket file nothing listens on (a daemon killed left it): a hint too
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()
+    with TransformdClient(socket=stale, timeout=2) as c, pytest.raises(DaemonUnavailableError) as info:
+        c.health()
+    assert f"nothing listens on {stale}" in info.value.message and "transformd serve" in info.value.message
 
 
 # ---------------------------------------------------------------------------------------------------------------------

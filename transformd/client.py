@@ -317,6 +317,8 @@ class TransformdClient:
             hint = ""
             if self.socket is not None and not self.socket.exists():
                 hint = f"; no socket at {self.socket}: is 'transformd serve' running? (--socket, ${ENV_SOCKET})"
+            elif self.socket is not None and isinstance(err, ConnectionRefusedError | httpx.ConnectError):
+                hint = f"; nothing listens on {self.socket} (a stopped daemon's?): is 'transformd serve' running?"
             raise DaemonUnavailableError(f"cannot reach transformd at {self.where}: {err}{hint}") from err
         if response.status_code not in ok:
             raise self._error(response)

@@ -91,14 +91,14 @@ def choose_target(target: str, engine: Engine | str | None, platform: Platform) 
     if target != "auto":
         return target, f"target {target} asked for"
     engine = Engine(engine) if engine is not None else Engine.RAW
-    where = platform.arch or platform.vendor
+    where = platform.arch or (platform.vendor if platform.vendor != "none" else "a machine without a GPU")
     if platform.mx_native:
         return None, f"{where} has native MX instructions: the MXFP8 source is served unconverted"
     if engine is not Engine.RAW:
         return "ocp", f"{engine.value} loads block FP8 as e4m3fn (and normalises to FNUZ itself on gfx94x)"
     if platform.fnuz:
-        return "fnuz", f"raw consumer on {where} (FNUZ hardware)"
-    return "ocp", f"raw consumer on {where} (no FNUZ hardware)"
+        return "fnuz", f"no engine named (raw: transformd.loader or own kernels) on {where}, FNUZ hardware"
+    return "ocp", f"no engine named (raw: transformd.loader or own kernels) on {where}, no FNUZ hardware"
 
 
 # -- readiness ---------------------------------------------------------------------------------------------------

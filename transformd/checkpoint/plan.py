@@ -128,6 +128,11 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
         raise CheckpointError("is not a directory" if src.exists() else "does not exist", file=src)
     select_re = _compile_select(select)
     config = _load_json(src / CONFIG_NAME, required=True)
+    qc = config.get("quantization_config")  # (an MXFP8 input's shards would say so too; this says it plainly)
+    if isinstance(qc, dict) and qc.get("quant_method") == "fp8" and isinstance(qc.get("transformd"), dict):
+        raise CheckpointError("records a transformd conversion (quantization_config.transformd): this is block-FP8 "
+                              "output already, for an engine to load as it is; its MXFP8 source is what converts",
+                              file=src / CONFIG_NAME)
     hf_quant = _load_json(src / HF_QUANT_NAME, required=False)
     index, shard_names = _shard_layout(src)
     headers = {name: read_header(src / name) for name in shard_names}
