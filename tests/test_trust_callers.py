@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,18 +39,25 @@ CATEGORY = "trust 2: confused deputy (caller credentials)"
 OWNER = 1000
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[dict[str, Any]]:
-    base = short_tempdir("tdcb-")  # not under pytest's 0700 root: the unprivileged caller must reach its copy
+def _alices_checkpoint(base: Path) -> tuple[Path, Path]:
+    """An allowed root in ``base`` (made 0755) with uid 1000's checkpoint in a 0700 home: (the root, the
+    checkpoint)."""
     os.chmod(base, 0o755)
     allowed = base / "models"
     allowed.mkdir(mode=0o755)
-    private_home = allowed / "alice"
-    private_home.mkdir()
-    private = write_sample_checkpoint(private_home / "m", layers=1, experts=2)
-    for p in [private_home, *private_home.rglob("*")]:
+    home = allowed / "alice"
+    home.mkdir()
+    private = write_sample_checkpoint(home / "m", layers=1, experts=2)
+    for p in [home, *home.rglob("*")]:
         os.chown(p, OWNER, OWNER)
-    os.chmod(private_home, 0o700)
+    os.chmod(home, 0o700)
+    return allowed, private
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[dict[str, Any]]:
+    base = short_tempdir("tdcb-")  # not under pytest's 0700 root: the unprivileged caller must reach its copy
+    allowed, private = _alices_checkpoint(base)
     public = allowed / "public" / "m"
     shutil.copytree(private, public)
     for p in [public.parent, public, *public.rglob("*")]:  # the same owner, so the same writers: the same key
@@ -122,15 +130,8 @@ def test_a_source_swapped_after_its_check_is_not_converted_for_the_caller(daemon
 
     base = short_tempdir("tdsw-")
     try:
-        os.chmod(base, 0o755)
-        allowed = base / "models"
-        allowed.mkdir(mode=0o755)
-        home = allowed / "alice"
-        home.mkdir()
-        private = write_sample_checkpoint(home / "m", layers=1, experts=2)
-        for p in [home, *home.rglob("*")]:
-            os.chown(p, OWNER, OWNER)
-        os.chmod(home, 0o700)
+        allowed, private = _alices_checkpoint(base)
+        home = private.parent
         decoy = write_sample_checkpoint(allowed / "bob" / "m", layers=1, experts=2, seed=7)
         for p in [decoy.parent, *decoy.parent.rglob("*")]:
             os.chown(p, NOBODY, NOBODY)
