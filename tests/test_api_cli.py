@@ -161,3 +161,9 @@ def test_the_daemon_log_escapes_control_characters() -> None:
     lines = VisibleFormatter("%(levelname)s %(message)s").format(record).split("\n")
     assert lines[0] == "ERROR conversion of /models/m failed: tensor a\\x1b[2Jb"
     assert lines[-1] == "ValueError: tensor x\\x1b]0;owned\\x07" and len(lines) > 2
+    # a newline in a caller's source path forged a log line of its own (an attack review): kept on the record's line
+    record = logging.LogRecord("transformd.daemon", logging.INFO, __file__, 1, "converted %s (key %s)",
+                               ("/models/u/y\n2026-12-07 12:00:00,000 INFO transformd.daemon: converted /models/x", "k"),
+                               None)
+    assert VisibleFormatter("%(levelname)s %(message)s").format(record) == (
+        "INFO converted /models/u/y\\n2026-12-07 12:00:00,000 INFO transformd.daemon: converted /models/x (key k)")

@@ -404,3 +404,48 @@ def test_cache_entries_are_read_only(world: dict[str, Any], fault_log) -> None:
     fault_log.record(CATEGORY, "modes of a published entry (every file and directory)", checked,
                      "files 0444 (manifest included), directories 0555; the entry directory not group/other-writable "
                      "(renamed between staging/entries/trash/quarantine); /files paths point into it")
+
+
+def test_the_cache_is_never_writable_by_others(tmp_path: Path, fault_log) -> None:
+    """The cache's directories took the daemon's umask: under 000 or 002 another user could copy an entry of his
+    own weights under the key of someone else's checkpoint, and the daemon served it (an attack review; ``cache
+    verify`` passed). ``serve`` now masks group and world write, mends its own directories that others may write
+    and refuses a cache with a directory of another owner."""
+    from .support.daemon import DaemonProcess
+
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "m", layers=1, experts=2)
+    run = short_tempdir("tdu-")
+    cache, mended = tmp_path / "cache", tmp_path / "mended"
+    mended.mkdir()
+    os.chmod(mended, 0o777)  # a volume mounted world-writable, the daemon's own
+    tried = 0
+    try:
+        for root in (cache, mended):
+            old = os.umask(0)
+            try:
+                daemon = DaemonProcess(run / "td.sock", root, [models]).start()
+            finally:
+                os.umask(old)
+            try:
+                with daemon.client(timeout=60) as http:
+                    r = http.post("/v1/checkpoints", json={"source": str(src)})
+                    assert r.status_code in (200, 202), r.text
+                    assert wait_ready(http, r.json()["key"], timeout=120)["state"] == "ready"
+            finally:
+                daemon.stop()
+            writable = [p for p in [root, *root.rglob("*")] if not p.is_symlink() and p.lstat().st_mode & 0o022]
+            assert writable == [], [(str(p), oct(p.lstat().st_mode)) for p in writable]
+            tried += 1
+        if os.geteuid() == 0:  # a sub-directory another user owns (he made it first): refused, not used
+            os.chown(cache / "entries", 65534, 65534)
+            with pytest.raises(RuntimeError, match="exited with 1"):
+                DaemonProcess(run / "td.sock", cache, [models]).start()
+            log = (run / "td.log").read_text()
+            assert f"cache directory {cache / 'entries'} (mode 0755, owner uid 65534) can be written by others" in log
+            tried += 1
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    fault_log.record(CATEGORY, "the daemon started under umask 000 (a new cache, and its own cache dir mounted "
+                     "0777); a cache sub-directory of another owner", tried,
+                     "no directory or file group/world-writable (mended); another owner's: refused at start, exit 1")

@@ -66,8 +66,12 @@ def _named(loc: tuple[Any, ...]) -> str:
 
 class VisibleFormatter(logging.Formatter):
     """Log lines with their control characters escaped (:func:`~transformd.cli.common.visible`): an error names
-    tensors and files of untrusted checkpoints, and must not drive the terminal that shows the log; tracebacks
-    keep their lines."""
+    tensors and files of untrusted checkpoints, and must not drive the terminal that shows the log. A record's
+    message stays on its line (a newline in a caller's path is written ``\\n``: it forged log lines, an attack
+    review found); tracebacks keep their lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        return super().formatMessage(record).replace("\r", "\\r").replace("\n", "\\n")
 
     def format(self, record: logging.LogRecord) -> str:
         return visible(super().format(record))

@@ -235,6 +235,25 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _check_cache_not_writable_by_others(root: Path) -> None:
+    """Refuse a cache whose directories others may write (made under a umask of 000 or 002, a volume mounted 0777):
+    they could put converted files of their own under another checkpoint's key, and the daemon would serve them
+    (an attack review planted one; ``cache verify`` passed). The daemon's own directories are mended (``chmod
+    go-w``); a root of another owner that others may write, or a sub-directory of another owner, stops it."""
+    from ..cache import CacheError
+
+    for d in [root, *(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())]:
+        st = d.lstat()
+        mine = st.st_uid == os.geteuid()
+        if mine and st.st_mode & 0o022:
+            os.chmod(d, stat.S_IMODE(st.st_mode) & ~0o022)
+        elif not mine and (d != root or st.st_mode & 0o022):
+            raise CacheError(f"cache directory {d} (mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}) "
+                             f"can be written by others than this daemon (uid {os.geteuid()}): they could plant "
+                             "converted files it would serve; give the daemon a cache directory of its own, or "
+                             f"make {d} its own and 'chmod go-w' it")
+
+
 def serve(settings: Settings, *, converter: Any = None, cache: Any = None, stream: Any = None) -> int:
     """Run the daemon in this process until SIGINT/SIGTERM; returns the exit status. ``converter``, ``cache``: as
     :func:`.app.create_app` takes them (defaults: the real converter, a cache of ``settings``)."""
@@ -242,7 +261,9 @@ def serve(settings: Settings, *, converter: Any = None, cache: Any = None, strea
 
     stream = stream or sys.stderr
     _raise_open_files_limit()
+    os.umask(os.umask(0o022) | 0o022)  # what the daemon creates in the cache is never group- or world-writable
     app = create_app(settings, converter=converter, cache=cache)
+    _check_cache_not_writable_by_others(app.state.daemon.cache.root)
     listeners = open_listeners(settings)
     server = build_server(app, settings)
 
