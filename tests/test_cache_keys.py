@@ -502,3 +502,23 @@ def test_the_cache_maps_only_its_own_files(tmp_path, monkeypatch):
     theirs.write_bytes(data)
     os.chown(theirs, 65534, 65534)
     assert keys_mod.hash_own_file(theirs) == expected and read == [100_000]
+
+
+def test_running_out_of_descriptors_is_the_processes_trouble_not_the_sources(tmp_path):
+    """A source opened with the process at its open-file limit (one uid's sources of thousands of files each, an
+    attack review) was a 422 invalid source for whoever asked then; it is a CacheError (503: retry later)."""
+    src = write_source(tmp_path / "many", {f"f{i:03d}.json": b"{}" for i in range(200)})
+    code = ("import resource, sys\n"
+            "from transformd.cache import CacheError, SourceError\n"
+            "from transformd.cache.securefs import open_source\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "try:\n"
+            "    open_source(sys.argv[1], None).close()\n"
+            "except CacheError as e:\n"
+            "    print('CacheError', e.api_status(), e)\n"
+            "except SourceError as e:\n"
+            "    print('SourceError', e.api_status(), e)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[1])
+    assert done.stdout.startswith("CacheError 503 cannot open "), done.stdout + done.stderr
+    assert "open-file limit" in done.stdout and "retry later" in done.stdout

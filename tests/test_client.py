@@ -502,3 +502,28 @@ def test_cache_hit_prints_no_progress():
     rep = resolve_cli.ProgressReporter(out, tty=False)
     rep.update(CheckpointStatus(key="k", state="ready", path=Path("/x")))
     assert out.getvalue() == ""
+
+
+def test_a_malformed_key_in_an_answer_is_the_daemons_error_in_one_line() -> None:
+    """A key goes into URLs and onto the terminal: one with control characters took the title of a review's
+    terminal (through the progress bar's label) and then ended the client with httpx's traceback."""
+    from transformd.client import CheckpointStatus
+
+    for key in ("\x1b]0;PWNED\x07", "../x", "A" * 32, None, 7):
+        with pytest.raises(ServerError, match="malformed key"):
+            CheckpointStatus.from_json({"key": key, "state": "ready"})
+    assert CheckpointStatus.from_json({"key": "passthrough", "state": "ready"}).key == "passthrough"
+    assert CheckpointStatus.from_json({"key": "0" * 32, "state": "queued"}).state == "queued"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another user's")
+def test_an_inherited_runtime_dir_of_another_user_is_not_asked(tmp_path):
+    """root with an XDG_RUNTIME_DIR inherited from uid 1000 (su, sudo -E) asked uid 1000's socket, whose fake daemon
+    answered with a path of its choosing (an attack review). Another user's runtime directory is skipped."""
+    runtime = tmp_path / "run-user-1000"
+    runtime.mkdir()
+    (runtime / "transformd.sock").touch()
+    os.chown(runtime, 1000, 1000)
+    assert default_socket_path({"XDG_RUNTIME_DIR": str(runtime)}) == Path("/run/transformd/transformd.sock")
+    os.chown(runtime, os.geteuid(), os.getegid())
+    assert default_socket_path({"XDG_RUNTIME_DIR": str(runtime)}) == runtime / "transformd.sock"

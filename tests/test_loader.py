@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
 import resource
 import shutil
 import signal
@@ -343,3 +344,15 @@ def test_load_from_daemon_waits_shard_by_shard(daemon_client, converted):
     status2 = client.submit(src, target="ocp")
     with pytest.raises(ValueError, match="not converted yet"):
         load_from_daemon(client, status2.key, wait=False)
+
+
+def test_a_fifo_named_like_a_shard_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """load_tensors(dir) opened every *.safetensors blocking: a FIFO that a user who may write the directory put
+    there hung the engine's load for good (an attack review). Now refused at once, named."""
+    src = write_sample_checkpoint(tmp_path / "m", layers=1, experts=2)
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(CheckpointError, match="not a regular file") as info:
+        load_tensors(src)
+    assert str(shard) in str(info.value)

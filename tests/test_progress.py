@@ -96,7 +96,7 @@ def test_one_progress_record_from_the_pipeline_to_the_client() -> None:
     status = ConversionStatus(key="k" * 32, state="converting", detail=dataclasses.asdict(sent), waiting=True)
     assert status.progress == sent.replace(phase="waiting")
     answer = ProgressModel.model_validate(sent.as_dict()).model_dump()
-    assert client.CheckpointStatus.from_json({"key": "k", "state": "converting", "progress": answer}).progress == sent
+    assert client.CheckpointStatus.from_json({"key": "0" * 32, "state": "converting", "progress": answer}).progress == sent
 
 
 def test_a_terminal_that_reports_no_width_gets_the_log_lines() -> None:

@@ -194,3 +194,31 @@ def test_a_source_swapped_after_its_check_is_not_converted_for_the_caller(daemon
     fault_log.record(CATEGORY, f"uid 65534 swaps a symbolic link to uid 1000's 0700 checkpoint in for its own copy "
                      f"once checked, before the {when} reopens it", 1,
                      "409 source_changed (403 for the engine check); nothing of it converted or named")
+
+
+def test_a_request_refused_for_its_queue_leaves_no_grant(daemons: Daemons, fault_log) -> None:
+    """Each POST granted its caller the key before the caller's queue limit refused it (429): one uid's 20,000
+    requests left 20,000 grants in the daemon's memory (an attack review: RSS 324 -> 353 MiB, without end). A
+    refused request now grants nothing; an admitted one still does."""
+    base = short_tempdir("tdq-")
+    try:
+        allowed, private = _alices_checkpoint(base)
+        public = allowed / "public"
+        shutil.copytree(private, public)
+        for p in [public, *public.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        daemon = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdq-", log_level="critical")
+        os.chmod(daemon.socket_path.parent, 0o755)
+        os.chmod(daemon.socket_path, 0o666)
+        real = daemon.daemon.service.queued_by
+        daemon.daemon.service.queued_by = lambda uid: 99  # every caller's queue is full
+        answers = as_uid(daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints", {"source": str(public)})] * 3)
+        assert [status for status, _ in answers] == [429] * 3, answers
+        assert not [k for k, uids in daemon.daemon.readers.items() if NOBODY in uids]
+        daemon.daemon.service.queued_by = real
+        (status, body), = as_uid(daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints", {"source": str(public)})])
+        assert status in (200, 202) and NOBODY in daemon.daemon.readers[body["key"]], (status, body)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    fault_log.record(CATEGORY, "uid 65534 POSTs while its queue is full", 3,
+                     "429 caller_queue_full, no grant left behind; admitted later: granted")

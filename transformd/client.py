@@ -56,6 +56,8 @@ from .errors import (
 from ._lazy import import_httpx  # httpx is imported where a client is made and used, without its command line
 from .progress import Progress
 
+_HEX_DIGITS = "0123456789abcdef"
+
 if TYPE_CHECKING:
     import httpx
 
@@ -125,8 +127,12 @@ class CheckpointStatus:
                 code=err.get("code"),
             )
         path = data.get("path")
+        key = data.get("key")
+        if not (key == "passthrough" or (isinstance(key, str) and len(key) == 32 and set(key) <= set(_HEX_DIGITS))):
+            # a key goes into URLs and onto the terminal: a malformed one is the daemon's fault, said in one line
+            raise ServerError(f"transformd answered with a malformed key {str(key)[:40]!r}")
         return cls(
-            key=str(data["key"]),
+            key=key,
             state=str(data.get("state", "")),
             progress=Progress.from_json(data.get("progress")),
             error=error,
@@ -209,7 +215,9 @@ def default_socket_path(
     ``/run/transformd/transformd.sock``; the one rule for the daemon (``listening``) and its clients.
 
     A client skips ``$XDG_RUNTIME_DIR`` when no socket is there but the system-wide one exists, so a user
-    session on a node whose daemon is the system one (or a sidecar's) still finds it; a daemon listens there.
+    session on a node whose daemon is the system one (or a sidecar's) still finds it; a daemon listens there. It
+    also skips one that is not its own user's (an ``XDG_RUNTIME_DIR`` inherited through ``su`` or ``sudo -E``):
+    whoever owns that directory could answer there with any path (an attack review's fake daemon did).
     """
     env = os.environ if environ is None else environ
     chosen = explicit if explicit is not None and os.fspath(explicit) != "" else env.get(ENV_SOCKET)
@@ -219,7 +227,8 @@ def default_socket_path(
     runtime = env.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime):
         user = Path(runtime) / _SOCKET_NAME
-        if listening or user.exists() or not system.exists():
+        theirs = os.path.isdir(runtime) and os.stat(runtime).st_uid != os.geteuid()
+        if listening or (not theirs and (user.exists() or not system.exists())):
             return user
     return system
 

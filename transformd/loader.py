@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
+from .safetensors_header import open_regular
 from .safetensors_io import DTYPE_BITS, TORCH_DTYPES, CheckpointError, read_header
 
 if TYPE_CHECKING:
@@ -257,7 +258,7 @@ def _plan_from_table(entry: Any) -> _FilePlan:
 
 def _map(path: Path, expected_size: int | None, writable: bool) -> tuple[mmap.mmap, MappedFile]:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if expected_size is not None and size != expected_size:
                 raise CheckpointError(f"file is {size} bytes, the table says {expected_size}: it changed", file=path)

@@ -17,14 +17,17 @@ buffers (the conversion pipeline's and the head start's reads).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import CheckpointError
 
@@ -118,6 +121,19 @@ def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return bits // 8
 
 
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``path`` opened for reading, refused (OSError ``EINVAL``) unless it is a regular file: a FIFO or a device
+    named like a shard is never waited on (opened without blocking, then checked on the descriptor)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and validate the header of a safetensors file; no tensor data is read.
 
@@ -126,7 +142,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
                 raise CheckpointError(f"file is {size} bytes, shorter than the 8-byte header length", file=path)

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BadRequestError, NotAllowedError, NotFoundError, SourceError
+from ..errors import BadRequestError, CacheError, NotAllowedError, NotFoundError, SourceError
 
 #: Flags of every open of a source file: never blocks (FIFO), never becomes a controlling terminal.
 OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -312,6 +312,9 @@ def _walk(
                 raise _outside(shown, roots) from None
             if e.errno in (errno.EACCES, errno.EPERM):
                 raise SourcePermissionError(f"the daemon may not read {shown}") from None
+            if e.errno in (errno.EMFILE, errno.ENFILE):  # this process's limit, not the source's fault (was a 422)
+                raise CacheError(f"cannot open {shown} now: {e.strerror} (the open-file limit of the process); "
+                                 "retry later") from None
             raise SourceError(f"cannot open {shown}: {e.strerror}") from None
         keep = False
         try:

@@ -247,7 +247,7 @@ class ProgressReporter:
             from tqdm import tqdm
 
             self._bar = tqdm(total=p.bytes_total, unit="B", unit_scale=True, unit_divisor=1024, file=self._stream,
-                             desc=f"converting {status.key[:12]}", dynamic_ncols=True)
+                             desc=shown(f"converting {status.key[:12]}"), dynamic_ncols=True)
         self._bar.total = p.bytes_total
         self._bar.update(max(0, p.bytes_done - self._bar.n))
         if p.tensors_total:

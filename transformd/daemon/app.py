@@ -214,9 +214,8 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
 
 
 def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, caller: Caller) -> dict[str, Any]:
-    """Blocking: readiness of the output a conversion of ``source`` would write (headers only, read through the
-    checked descriptors of the source, like every other read of it); 403 unless ``caller`` could read the files
-    opened now (the path may name others than when it was checked: a swapped symbolic link)."""
+    """Blocking: readiness of the output a conversion of ``source`` would write (headers only, read through checked
+    descriptors); 403 unless ``caller`` could read the files opened now (the path may name others by then)."""
     from ..checkpoint import plan_conversion, plan_readiness
 
     try:
@@ -349,7 +348,6 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         if missing is not None:
             raise _unreadable(caller, source, missing)
         key = cache_key(ident, recipe)
-        d.grant(key, caller)
         _remember_hub(d, key, hub)
         job = service.job(key)
         if job is None or not job.active:
@@ -360,9 +358,11 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             info = await _thread(entries.info, key, touch=True)
             if info is not None:
                 metrics.cache_hits.inc()
+                d.grant(key, caller)
                 return await _ready(info, job, reason, body.engine, hub)
         metrics.cache_misses.inc()
         await _admit(caller, key, source, body, target)
+        d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
         job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
         assert job is not None
         return await _answer(key, job, reason, body.engine, hub)
