@@ -27,6 +27,10 @@ Lifetime and safety:
 * a cache entry evicted while mapped stays readable (Linux keeps an unlinked file's pages while a
   mapping holds it), but hold a lease (:meth:`TransformdClient.lease`) while serving so the next
   rank or restart still finds it;
+* a mapping of a file is only as safe as whoever may shorten that file: if its owner truncates it, reading a
+  tensor past the new end kills the process with SIGBUS (no Python error can be raised there). The daemon's
+  cache entries are the daemon's own and read-only; map another user's files only if you trust him, or copy
+  them first (an attack review truncated a file of its own under an engine that had mapped it);
 * a tensor whose offset is not a multiple of its element size (possible in a safetensors file,
   never in transformd's own output for the usual dtypes) is copied into an aligned buffer instead;
   ``result.copied`` lists them.
