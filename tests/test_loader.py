@@ -297,6 +297,14 @@ def test_bad_tables_are_refused(converted):
         load_tensors([{**entry, "path": None}])
     with pytest.raises(CheckpointError, match="also in"):
         load_tensors([files[0], files[0]])
+    # ranges the file's own header would refuse: two tensors as one memory, a tensor of header bytes (a review)
+    (a, ta), (b, tb) = list(entry["tensors"].items())[:2]
+    same = {**entry, "tensors": {a: ta, b: {**tb, "offsets": ta["offsets"], "shape": ta["shape"], "dtype": ta["dtype"]}}}
+    with pytest.raises(CheckpointError, match="overlap another tensor's bytes"):
+        load_tensors([same])
+    head = {**entry, "tensors": {a: {"dtype": "U8", "shape": [8], "offsets": [8, 16]}}}
+    with pytest.raises(CheckpointError, match="overlap the header"):
+        load_tensors([head])
 
 
 def test_empty_directory(tmp_path):

@@ -153,6 +153,7 @@ def load_tensors(
             continue
         mm, mapped = _map(plan.path, plan.expected_size, writable)
         out.mappings.append(mapped)
+        _check_layout(plan.tensors, plan.path, mm)
         for spec in specs:
             _check_bounds(spec, plan.path, mapped.size)
             tensor, copied = _view(mm, spec, plan.path)
@@ -303,6 +304,19 @@ def _frombuffer(mm: mmap.mmap, dtype: torch.dtype, count: int, offset: int) -> t
         # torch warns that the buffer is not writable: that is the point (see the module docstring).
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
         return torch.frombuffer(mm, dtype=dtype, count=count, offset=offset)
+
+
+def _check_layout(specs: list[_Spec], path: Path, mm: mmap.mmap) -> None:
+    """The tensors' byte ranges lie after the file's header and do not overlap, as read_header requires of a file:
+    a table from a daemon (or a socket's squatter) could otherwise make two tensors one memory, or a tensor of
+    header bytes (an attack review)."""
+    data_start = 8 + int.from_bytes(mm[:8], "little") if len(mm) >= 8 else 0
+    end = data_start
+    for spec in sorted(specs, key=lambda s: (s.begin, s.end)):
+        if spec.begin < end and spec.end > spec.begin:
+            what = "the header" if spec.begin < data_start else "another tensor's bytes"
+            raise CheckpointError(f"bytes [{spec.begin}, {spec.end}) overlap {what}", file=path, tensor=spec.name)
+        end = max(end, spec.end)
 
 
 def _check_bounds(spec: _Spec, path: Path, size: int) -> None:
