@@ -49,6 +49,10 @@ GPU_RECORD = ["tests/test_gpu_record.py", "-k", "covers"]
 ALONGSIDE_TESTS = ["tests/test_cache_alongside.py", "tests/test_cache_processes.py"]
 DAEMON_ALONGSIDE_TESTS = ["tests/test_daemon_alongside.py"]
 NUMPY_TESTS = ["tests/test_numpy_exact.py"]
+#: The tests of a source swapped after its check, of keys from a user namespace, of trickling connections.
+SWAP_TESTS = ["tests/test_trust_callers.py", "-k", "swapped"]
+NAMESPACE_TESTS = ["tests/test_cache_keys.py", "-k", "namespace"]
+TRICKLE_TESTS = ["tests/test_trust_freezes.py", "-k", "trickling"]
 
 
 @dataclass(frozen=True)
@@ -155,25 +159,25 @@ MUTANTS: list[Mutant] = [
     m("key-ignores-writers", "transformd/cache/keys.py", '           "writers": list(identity.writers)}', "}",
       ["tests/test_cache_keys.py", "-k", "rewrite"]),
     m("writers-not-translated", "transformd/cache/writers.py",
-      "    return None if ranges == _IDENTITY else ranges", "    return None", ["tests/test_cache_keys.py", "-k", "namespace"]),
+      "    return None if ranges == _IDENTITY else ranges", "    return None", NAMESPACE_TESTS),
     m("writers-overflow-id-trusted", "transformd/cache/writers.py", "    if n == _overflow_id(kind):", "    if False:",
-      ["tests/test_cache_keys.py", "-k", "namespace"]),
+      NAMESPACE_TESTS),
     # -- a source swapped after its check (daemon/service.py, daemon/app.py) --------------------------------------------
     m("keyed-job-files-unchecked", "transformd/daemon/service.py",
       "expect_files=job.identity if job.slot is None else None,", "expect_files=None,",
-      ["tests/test_trust_callers.py", "-k", "swapped"]),
+      SWAP_TESTS),
     m("provisional-job-tree-unchecked", "transformd/daemon/service.py", "expect_slot=job.slot,", "expect_slot=None,",
-      ["tests/test_trust_callers.py", "-k", "swapped"]),
+      SWAP_TESTS),
     m("readiness-reads-for-any-caller", "transformd/daemon/app.py",
       "plan = None if missing is not None else plan_conversion(tree.view(), select=select)",
-      "plan = plan_conversion(tree.view(), select=select)", ["tests/test_trust_callers.py", "-k", "swapped"]),
+      "plan = plan_conversion(tree.view(), select=select)", SWAP_TESTS),
     # -- connections (daemon/peers.py, daemon/middleware.py) ------------------------------------------------------------
     m("connections-per-uid-unlimited", "transformd/daemon/peers.py",
       "if uid is not None and per_uid.get(uid, 0) >= max_per_uid:", "if False:",
-      ["tests/test_trust_freezes.py", "-k", "trickling"]),
+      TRICKLE_TESTS),
     m("body-without-deadline", "transformd/daemon/middleware.py",
       "with anyio.move_on_after(self.timeout_s) as deadline:", "with anyio.move_on_after(None) as deadline:",
-      ["tests/test_trust_freezes.py", "-k", "trickling"]),
+      TRICKLE_TESTS),
     m("next-request-without-header-deadline", "transformd/daemon/peers.py",
       "if cycle is not None and cycle.response_complete and self._td_armed_for is not cycle:", "if False:",
       ["tests/test_trust_freezes.py", "-k", "kept_alive"]),
