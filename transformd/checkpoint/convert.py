@@ -26,7 +26,8 @@ from ..formats import ScaleMode, Target
 from ..progress import Progress, human_bytes
 from ..readahead import last_shard_in_page_cache
 from .hf_config import copy_other_files, write_metadata_files
-from .plan import CONFIG_NAME, ConversionPlan, _load_json, check_engine, output_bytes, plan_conversion, plan_readiness
+from .plan import (CONFIG_NAME, ConversionPlan, check_engine, load_json, output_bytes, plan_conversion, plan_readiness,
+                   records_a_conversion)
 
 if TYPE_CHECKING:  # (torch is imported by the conversion itself: a head start converts while that import runs)
     import torch
@@ -275,9 +276,8 @@ def _check_out(src: Path, out: Path, overwrite: bool) -> None:
 def _is_transformd_output(out: Path) -> bool:
     """Whether ``out`` holds what a conversion wrote: its config.json's ``quantization_config.transformd`` record."""
     try:
-        config = _load_json(out / CONFIG_NAME, required=False)  # (checked reads: no FIFO, size limit, depth)
-        return isinstance(config["quantization_config"]["transformd"], dict)  # type: ignore[index]
-    except (CheckpointError, KeyError, TypeError):
+        return records_a_conversion(load_json(out / CONFIG_NAME, required=False))
+    except CheckpointError:  # (not a regular file, too large, not JSON)
         return False
 
 

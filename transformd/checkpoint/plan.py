@@ -127,13 +127,12 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
     if not src.is_dir():
         raise CheckpointError("is not a directory" if src.exists() else "does not exist", file=src)
     select_re = _compile_select(select)
-    config = _load_json(src / CONFIG_NAME, required=True)
-    qc = config.get("quantization_config")  # (an MXFP8 input's shards would say so too; this says it plainly)
-    if isinstance(qc, dict) and qc.get("quant_method") == "fp8" and isinstance(qc.get("transformd"), dict):
+    config = load_json(src / CONFIG_NAME, required=True)
+    if records_a_conversion(config):  # (its shards would say so too; this says it plainly)
         raise CheckpointError("records a transformd conversion (quantization_config.transformd): this is block-FP8 "
                               "output already, for an engine to load as it is; its MXFP8 source is what converts",
                               file=src / CONFIG_NAME)
-    hf_quant = _load_json(src / HF_QUANT_NAME, required=False)
+    hf_quant = load_json(src / HF_QUANT_NAME, required=False)
     index, shard_names = _shard_layout(src)
     headers = {name: read_header(src / name) for name in shard_names}
     if index is not None:
@@ -190,7 +189,7 @@ def plan_readiness(plan: ConversionPlan, target: Target | str) -> dict[str, Engi
 def readiness_of_dir(path: str | os.PathLike[str]) -> dict[str, EngineReadiness]:
     """Engine readiness of a block-FP8 checkpoint directory, from its config.json and shard headers."""
     path = Path(path)
-    config = _load_json(path / CONFIG_NAME, required=True)
+    config = load_json(path / CONFIG_NAME, required=True)
     _, shard_names = _shard_layout(path)
     specs = [(t.name, t.dtype, t.shape) for name in shard_names for t in read_header(path / name).tensors.values()]
     return readiness(config, specs)
@@ -219,7 +218,15 @@ def _compile_select(select: str | None) -> Any:
         raise CheckpointError(f"--select {select[:200]!r} is refused: {err}") from None
 
 
-def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+def records_a_conversion(config: dict[str, Any] | None) -> bool:
+    """Whether a config.json (its dict) is a transformd output's: ``quantization_config.transformd`` records it."""
+    qc = (config or {}).get("quantization_config")
+    return isinstance(qc, dict) and isinstance(qc.get("transformd"), dict)
+
+
+def load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+    """A config or index JSON object, read through checked reads: a regular file (never a FIFO waited on), at most
+    :data:`MAX_JSON_BYTES`, not nested past the parser's depth; :class:`CheckpointError` naming the file otherwise."""
     if not path.exists():
         if required:
             raise CheckpointError("is missing; an HF checkpoint directory needs it", file=path)
@@ -247,7 +254,7 @@ def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
 
 def _shard_layout(src: Path) -> tuple[dict[str, Any] | None, list[str]]:
     """(index or None, shard file names in order)."""
-    index = _load_json(src / INDEX_NAME, required=False)
+    index = load_json(src / INDEX_NAME, required=False)
     if index is None:
         if not (src / SINGLE_SHARD_NAME).is_file():
             raise CheckpointError(f"has neither {INDEX_NAME} nor {SINGLE_SHARD_NAME}", file=src)

@@ -311,13 +311,13 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _check_block_fp8(src: Path) -> None:
     """Refuse a directory whose config.json does not say block FP8 (``quant_method: fp8``): what engines would make of
     it is not a block-FP8 checkpoint's readiness (a BF16 model "loads" unquantized; an MXFP8 one is the input)."""
-    from ..checkpoint.plan import CONFIG_NAME, _load_json  # (checked reads: no FIFO, size limit, depth)
+    from ..checkpoint.plan import CONFIG_NAME, load_json  # (checked reads: no FIFO, size limit, depth)
     from ..errors import CheckpointError
 
     if not src.is_dir():
         raise CheckpointError("does not exist" if not src.exists() else "is not a directory", file=src)
     config = src / CONFIG_NAME
-    qc = (_load_json(config, required=True) or {}).get("quantization_config")
+    qc = (load_json(config, required=True) or {}).get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method != "fp8":
         said = f"quant_method {method!r}" if method is not None else "no quantization_config"
