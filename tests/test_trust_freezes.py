@@ -325,8 +325,11 @@ conns = []
 for _ in range(int(sys.argv[3])):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(sys.argv[1])
-    s.sendall(b"POST /v1/checkpoints HTTP/1.1\\r\\nHost: td\\r\\nContent-Type: application/json\\r\\n"
-              b"Content-Length: 60000\\r\\n\\r\\n{")
+    try:  # (a connection past the limit may be answered and closed before this is sent)
+        s.sendall(b"POST /v1/checkpoints HTTP/1.1\\r\\nHost: td\\r\\nContent-Type: application/json\\r\\n"
+                  b"Content-Length: 60000\\r\\n\\r\\n{")
+    except OSError:
+        pass
     conns.append(s)
 print(len(conns), flush=True)
 sys.stdin.readline()
@@ -375,8 +378,9 @@ def test_one_uids_connections_with_trickling_bodies_do_not_lock_out_the_others(t
     finally:
         child.kill()
         child.wait()
-    assert sorted(set(got)) == [408, 503], got
-    assert got.count(503) == n - per_uid and got.count(408) == per_uid, got  # none still open
+    # past the limit: the JSON 503 (or, had it closed before the request was sent, a reset); none still open
+    assert got.count(408) == per_uid and sorted(set(got) - {408}) in ([503], [-1, 503], [-1]), got
+    assert got.count(503) + got.count(-1) == n - per_uid, got
     fault_log.record(CATEGORY, f"one uid opens {n} unix connections, each a POST whose body trickles (listener "
                      f"limit {limit}, {per_uid} per uid)", n,
                      f"past {per_uid}: JSON 503 for that uid only; others answered; the rest JSON 408 after 1.5 s")
