@@ -443,9 +443,17 @@ def test_the_cache_is_never_writable_by_others(tmp_path: Path, fault_log) -> Non
                 DaemonProcess(run / "td.sock", cache, [models]).start()
             log = (run / "td.log").read_text()
             assert f"cache directory {cache / 'entries'} (mode 0755, owner uid 65534) can be written by others" in log
-            tried += 1
+            theirs = tmp_path / "theirs"  # a root another user owns: he may rename what the daemon makes in it
+            theirs.mkdir()
+            os.chown(theirs, 65534, 65534)
+            os.chmod(theirs, 0o755)
+            with pytest.raises(RuntimeError, match="exited with 1"):
+                DaemonProcess(run / "td.sock", theirs, [models]).start()
+            assert f"cache directory {theirs} (mode 0755, owner uid 65534) can be written by others" in (
+                run / "td.log").read_text()
+            tried += 2
     finally:
         shutil.rmtree(run, ignore_errors=True)
     fault_log.record(CATEGORY, "the daemon started under umask 000 (a new cache, and its own cache dir mounted "
-                     "0777); a cache sub-directory of another owner", tried,
+                     "0777); a cache sub-directory, or the cache root, of another owner", tried,
                      "no directory or file group/world-writable (mended); another owner's: refused at start, exit 1")

@@ -239,7 +239,8 @@ def _check_cache_not_writable_by_others(root: Path) -> None:
     """Refuse a cache whose directories others may write (made under a umask of 000 or 002, a volume mounted 0777):
     they could put converted files of their own under another checkpoint's key, and the daemon would serve them
     (an attack review planted one; ``cache verify`` passed). The daemon's own directories are mended (``chmod
-    go-w``); a root of another owner that others may write, or a sub-directory of another owner, stops it."""
+    go-w``); a root of another owner (but root's, not writable by others), or a sub-directory of another owner,
+    stops it."""
     from ..cache import CacheError
 
     for d in [root, *(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())]:
@@ -247,7 +248,7 @@ def _check_cache_not_writable_by_others(root: Path) -> None:
         mine = st.st_uid == os.geteuid()
         if mine and st.st_mode & 0o022:
             os.chmod(d, stat.S_IMODE(st.st_mode) & ~0o022)
-        elif not mine and (d != root or st.st_mode & 0o022):
+        elif not mine and (d != root or st.st_mode & 0o022 or st.st_uid != 0):  # (a root's owner renames in it)
             raise CacheError(f"cache directory {d} (mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}) "
                              f"can be written by others than this daemon (uid {os.geteuid()}): they could plant "
                              "converted files it would serve; give the daemon a cache directory of its own, or "
