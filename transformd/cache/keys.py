@@ -607,6 +607,16 @@ def check_same_files(tree: SourceTree, identity: SourceIdentity, src: str | os.P
                                  "at its path now)")
 
 
+def check_as_requested(tree: SourceTree, recipe: Recipe, src: str | os.PathLike[str], *, slot: str | None,
+                       identity: SourceIdentity | None) -> None:
+    """The check a reopened source of a request gets: :func:`check_same_tree` against the request's ``slot``, else
+    :func:`check_same_files` against its ``identity``; nothing when it has neither."""
+    if slot is not None:
+        check_same_tree(tree, recipe, slot, src)
+    elif identity is not None:
+        check_same_files(tree, identity, src)
+
+
 def provisional_files(tree: SourceTree) -> list[list[Any]]:
     """What :func:`provisional_key` takes from a tree's files: their names and stat signatures."""
     return [[f.rel, *_sig(f.st)] for f in tree.files]

@@ -48,8 +48,7 @@ from .keys import (
     SourceIdentity,
     StatCache,
     cache_key,
-    check_same_files,
-    check_same_tree,
+    check_as_requested,
     hash_own_file,
     identity_of_tree,
     source_identity,
@@ -417,10 +416,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         """
         recipe = recipe or Recipe()
         with self.open_source(src) as tree:
-            if expect_slot is not None:
-                check_same_tree(tree, recipe, expect_slot, src)
-            if expect_files is not None:
-                check_same_files(tree, expect_files, src)
+            check_as_requested(tree, recipe, src, slot=expect_slot, identity=expect_files)
             try:
                 return self._get_or_convert(
                     tree, src, recipe, progress, converter, timeout, lease_ttl, poll_interval, identity, expect_key

@@ -29,7 +29,7 @@ from typing import Any
 import anyio.to_thread
 
 from ..cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
-from ..cache.keys import check_same_files, check_same_tree
+from ..cache.keys import check_as_requested
 from ..progress import COUNTERS, Eta, Progress, human_bytes
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
@@ -320,12 +320,9 @@ class ConversionService:
 
     def _plan_blocking(self, job: Job) -> ConversionOutline | None:
         """The converter's check of the job's source, reading only the checked descriptors (a view) of the tree the
-        request checked (:func:`.keys.check_same_tree`: its errors name no other files)."""
+        request checked (:func:`.keys.check_as_requested`: its errors name no other files)."""
         with self.cache.open_source(job.source) as tree:
-            if job.slot is not None:
-                check_same_tree(tree, job.recipe, job.slot, job.source)
-            elif job.identity is not None:
-                check_same_files(tree, job.identity, job.source)
+            check_as_requested(tree, job.recipe, job.source, slot=job.slot, identity=job.identity)
             view = tree.view()
             try:
                 return plan_of(self.converter, view, job.recipe)
