@@ -527,3 +527,35 @@ def test_an_inherited_runtime_dir_of_another_user_is_not_asked(tmp_path):
     assert default_socket_path({"XDG_RUNTIME_DIR": str(runtime)}) == Path("/run/transformd/transformd.sock")
     os.chown(runtime, os.geteuid(), os.getegid())
     assert default_socket_path({"XDG_RUNTIME_DIR": str(runtime)}) == runtime / "transformd.sock"
+
+
+def test_an_answer_past_the_size_cap_is_not_read_to_its_end(monkeypatch):
+    """The client read a daemon's whole answer into memory: a listener on the socket answering without end
+    (1.5M files: 1.2 GB, an attack review) grew the engine's process until it died. Past MAX_ANSWER_BYTES it stops
+    reading and raises; an answer under the cap, gzip-encoded included, reads as before."""
+    import gzip
+    import json
+
+    import httpx
+
+    from transformd import client as client_module
+
+    monkeypatch.setattr(client_module, "MAX_ANSWER_BYTES", 1 << 20)
+    pulled = []
+
+    def endless():
+        while True:
+            pulled.append(1)
+            yield b"x" * 65536
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/cache":
+            return httpx.Response(200, content=endless())
+        body = gzip.compress(json.dumps({"status": "ok", "pad": "y" * 100_000}).encode())
+        return httpx.Response(200, content=body, headers={"content-encoding": "gzip"})
+
+    with TransformdClient(socket="/nonexistent.sock", transport=httpx.MockTransport(handler)) as td:
+        with pytest.raises(ServerError, match=r"answered GET /v1/cache with more than 1 MiB: not read"):
+            td.cache()
+        assert len(pulled) <= 17  # 1 MiB and one chunk, not the endless rest
+        assert td.health() == {"status": "ok", "pad": "y" * 100_000}

@@ -34,7 +34,6 @@ import socket as _socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +52,9 @@ from .errors import (
     UnauthorizedError,
     error_class,
 )
+from .answers import CheckpointStatus, LeaseInfo, ShardFile, TensorEntry
 from ._lazy import import_httpx  # httpx is imported where a client is made and used, without its command line
 from .progress import Progress
-
-_HEX_DIGITS = "0123456789abcdef"
 
 if TYPE_CHECKING:
     import httpx
@@ -78,6 +76,10 @@ _SOCKET_NAME = "transformd.sock"
 _UDS_BASE_URL = "http://transformd"
 #: Seconds :meth:`TransformdClient.resolve` waits, by default, for a daemon that went away mid-conversion.
 DEFAULT_RECONNECT_S = 60.0
+#: Bytes of one answer the client reads at the most: a daemon's (or whatever listens there) larger answer is a
+#: ServerError, not a process grown without bound. A legitimate answer is far smaller: the tensor table of a
+#: 1T-parameter MoE (``/files``; 61 layers of 384 experts, 140k tensors with their scales) is 18 MiB.
+MAX_ANSWER_BYTES = 256 << 20
 #: Error codes of a conversion the daemon cancelled because it was stopping (not a failure of the checkpoint).
 _DAEMON_STOPPING_CODES = frozenset({"cancelled", "shutting_down"})
 _API = "/v1"
@@ -87,120 +89,6 @@ def error_for_status(status: int, message: str, code: str | None = None) -> Tran
     """The error the client raises for the daemon's answer: its class by HTTP status (:mod:`transformd.errors`),
     the daemon's ``code`` and ``message`` on it."""
     return error_class(status).from_answer(message, status=status, code=code)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Answers
-
-
-@dataclass(frozen=True)
-class CheckpointStatus:
-    """One entry as the daemon reports it (``POST /v1/checkpoints`` or ``GET /v1/checkpoints/{key}``)."""
-
-    key: str
-    state: str  # queued | converting | ready | failed
-    progress: Progress | None = None
-    error: TransformdError | None = None
-    path: Path | None = None
-    source: str | None = None
-    recipe: dict[str, Any] | None = None
-    size_bytes: int | None = None
-    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def ready(self) -> bool:
-        return self.state == "ready"
-
-    @property
-    def failed(self) -> bool:
-        return self.state == "failed"
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> CheckpointStatus:
-        err = data.get("error")
-        error = None
-        if isinstance(err, Mapping):
-            status = err.get("status")
-            error = ConversionFailedError.from_answer(
-                str(err.get("message") or "conversion failed"),
-                status=status if isinstance(status, int) else None,
-                code=err.get("code"),
-            )
-        path = data.get("path")
-        key = data.get("key")
-        if not (key == "passthrough" or (isinstance(key, str) and len(key) == 32 and set(key) <= set(_HEX_DIGITS))):
-            # a key goes into URLs and onto the terminal: a malformed one is the daemon's fault, said in one line
-            raise ServerError(f"transformd answered with a malformed key {str(key)[:40]!r}")
-        return cls(
-            key=key,
-            state=str(data.get("state", "")),
-            progress=Progress.from_json(data.get("progress")),
-            error=error,
-            path=Path(path) if path else None,
-            source=data.get("source"),
-            recipe=data.get("recipe"),
-            size_bytes=data.get("size_bytes"),
-            raw=dict(data),
-        )
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a shard: safetensors dtype name, shape, and absolute byte range in the file."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    offsets: tuple[int, int]
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> TensorEntry:
-        begin, end = data["offsets"]
-        return cls(str(data["dtype"]), tuple(int(d) for d in data["shape"]), (int(begin), int(end)))
-
-
-@dataclass(frozen=True)
-class ShardFile:
-    """One file of ``GET /v1/checkpoints/{key}/files``: map ``path`` read-only and cut ``tensors`` out of it.
-
-    ``path`` is ``None`` while the file is not written yet; while the entry is converting it may
-    point into the staging directory (the file is renamed to ``final_path`` keeping its inode, so a
-    mapping made from ``path`` stays valid).
-    """
-
-    name: str
-    path: Path | None
-    size: int | None
-    digest: str | None
-    ready: bool
-    tensors: dict[str, TensorEntry]
-    final_path: Path | None = None
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ShardFile:
-        final, path = data.get("final_path"), data.get("path")
-        return cls(
-            name=str(data["name"]),
-            path=Path(path) if path else None,
-            size=data.get("size"),
-            digest=data.get("digest"),
-            ready=bool(data.get("ready", True)),
-            tensors={str(k): TensorEntry.from_json(v) for k, v in (data.get("tensors") or {}).items()},
-            final_path=Path(final) if final else None,
-        )
-
-
-@dataclass(frozen=True)
-class LeaseInfo:
-    """A lease the daemon granted: ``expires_at`` is what it sent (epoch seconds or ISO 8601)."""
-
-    id: str
-    key: str
-    expires_at: Any
-    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> LeaseInfo:
-        return cls(str(data["id"]), str(data["key"]), data.get("expires_at"), dict(data))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -316,9 +204,23 @@ class TransformdClient:
         httpx = import_httpx()
         try:
             if timeout is None:
-                response = self._http.request(method, path, json=json)
+                request = self._http.build_request(method, path, json=json)
             else:
-                response = self._http.request(method, path, json=json, timeout=timeout)
+                request = self._http.build_request(method, path, json=json, timeout=timeout)
+            response = self._http.send(request, stream=True)
+            try:
+                body = bytearray()
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if len(body) > MAX_ANSWER_BYTES:
+                        raise ServerError.from_answer(
+                            f"transformd at {self.where} answered {method} {path} with more than "
+                            f"{MAX_ANSWER_BYTES >> 20} MiB: not read", status=response.status_code, code=None)
+            finally:
+                response.close()
+            headers = [(k, v) for k, v in response.headers.multi_items()
+                       if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+            response = httpx.Response(response.status_code, headers=headers, content=bytes(body), request=request)
         except httpx.TimeoutException as err:
             raise DaemonUnavailableError(f"transformd at {self.where} did not answer {method} {path} in time: "
                                          f"{err or type(err).__name__}") from err
