@@ -117,6 +117,27 @@ def test_convert_non_empty_out_exit_2(tmp_path: Path, capsys) -> None:
         assert code == 0 and stdout[-1] == str(tmp_path / "out")
 
 
+def test_a_second_convert_into_one_out_is_refused_before_it_converts(tmp_path: Path, capsys) -> None:
+    """Two `convert --out DIR` at once: the second converted everything, then failed at its rename (a newcomer
+    review). It is refused while another process writes DIR, and runs once that one is gone."""
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    first = subprocess.Popen(  # another conversion's staging directory, held as a running one holds it
+        [sys.executable, "-c", "import sys; from pathlib import Path; from transformd import _durable; "
+         "print(_durable.make_staging(Path(sys.argv[1]))[0].name, flush=True); sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = first.stdout.readline().strip()
+        code, stdout, stderr = _run(capsys, "convert", src, "--out", out, "--device", "cpu")
+        assert code == 2 and stdout == [] and len(stderr) == 1
+        assert "another conversion into this directory is running" in stderr[0] and theirs in stderr[0]
+        assert sorted(os.listdir(tmp_path)) == sorted(["src", theirs]), "ours removed, theirs left alone"
+    finally:
+        first.communicate("")
+    code, stdout, _ = _run(capsys, "convert", src, "--out", out, "--device", "cpu")
+    assert code == 0 and stdout[-1] == str(out) and sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
 def test_convert_invalid_values_exit_2_nothing_written(tmp_path: Path, capsys) -> None:
     shards = default_shards()
     set_tensor(f"{O}.weight_scale", poke((1, 1), 0xFF))(shards)

@@ -316,11 +316,10 @@ def remove_leftovers(out: Path) -> None:
         if tag == _OLD_TAG:
             olds.append(path)
         elif tag == _STAGING_TAG:
-            free = _lock_free(path) and not _creator_alive(_token)
-            if free:
-                shutil.rmtree(path, ignore_errors=True)
-            else:
+            if _in_use(path):
                 live = True
+            else:
+                shutil.rmtree(path, ignore_errors=True)
     if not olds or live:
         return
     with contextlib.suppress(OSError):
@@ -330,6 +329,22 @@ def remove_leftovers(out: Path) -> None:
                     shutil.rmtree(old, ignore_errors=True)
         elif len(olds) == 1:  # killed between moving the old output aside and renaming the new one into place
             os.rename(olds[0], out)
+
+
+def _in_use(staging: Path) -> bool:
+    """Whether a conversion still writes the staging directory ``staging``: it holds the flock, or (between its
+    mkdir and its flock) the process named in it runs."""
+    return not (_lock_free(staging) and not _creator_alive(staging.name.rpartition("-")[2]))
+
+
+def others_converting(staging: Path, out: Path) -> list[str]:
+    """Names of the staging directories beside ``out``, other than ``staging``, that a conversion still writes."""
+    prefix = f".{out.name}.{_STAGING_TAG}-"
+    try:
+        names = sorted(n for n in os.listdir(out.parent) if n.startswith(prefix) and n != staging.name)
+    except OSError:
+        return []
+    return [name for name in names if _in_use(out.parent / name)]
 
 
 def publish(staging: Path, out: Path, overwrite: bool) -> None:

@@ -143,6 +143,7 @@ def convert_checkpoint(
             raise wrapped from err
         head = None
         try:
+            _refuse_a_second_writer(staging, out)
             if early:
                 from .headstart import HeadStart
 
@@ -169,6 +170,16 @@ def convert_checkpoint(
             os.close(staging_lock)
         result.out = out
         return result
+
+
+def _refuse_a_second_writer(staging: Path, out: Path) -> None:
+    """Refuse a conversion into ``out`` while another one writes it: the later one converted everything, then
+    failed at the end (a newcomer review). Two that start in the same instant see each other and both stop."""
+    others = _durable.others_converting(staging, out)
+    if others:
+        raise CheckpointError(f"another conversion into this directory is running (its staging directory "
+                              f"{others[0]} beside it); wait for it to finish, or convert into another directory",
+                              file=out)
 
 
 def _devices(device: str | torch.device | None) -> list[torch.device]:
