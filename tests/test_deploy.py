@@ -194,6 +194,7 @@ def test_compose_file():
     assert daemon["build"]["target"] == "daemon" and "BASE_IMAGE" in daemon["build"]["args"]
     assert daemon["healthcheck"]["test"][1:3] == ["transformd", "health"]
     assert engine["depends_on"]["transformd"]["condition"] == "service_healthy"
+    assert daemon["cap_drop"] == ["ALL"] and "no-new-privileges:true" in daemon["security_opt"]
 
     args = daemon["command"]
     assert args[args.index("--allow-root") + 1] == MODELS
@@ -222,7 +223,9 @@ def test_kubernetes_pod():
 
     assert sidecar["startupProbe"]["exec"]["command"][:2] == ["transformd", "health"]
     assert sidecar["livenessProbe"]["exec"]["command"][:2] == ["transformd", "health"]
-    assert sidecar["securityContext"]["runAsNonRoot"] is True and sidecar["securityContext"]["runAsUser"] != 0
+    context = sidecar["securityContext"]
+    assert context["runAsNonRoot"] is True and context["runAsUser"] != 0
+    assert context["allowPrivilegeEscalation"] is False and context["capabilities"]["drop"] == ["ALL"]
     args = sidecar["args"]
     assert args[args.index("--allow-root") + 1] == MODELS
 
