@@ -14,7 +14,7 @@ name                                        type       meaning
 ``transformd_converted_bytes_total``        counter    bytes of converted checkpoints this daemon wrote
 ``transformd_conversions_in_progress``      gauge      conversions running in a worker
 ``transformd_conversions_queued``           gauge      conversions waiting for a worker
-``transformd_http_requests_total``          counter    requests by ``method``, ``route`` (template) and ``status``
+``transformd_http_requests_total``          counter    by ``method`` (or ``other``), ``route`` (template), ``status``
 ==========================================  =========  ===========================================================
 """
 
