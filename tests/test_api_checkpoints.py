@@ -273,6 +273,70 @@ def test_socket_permissions_health_and_metrics(start) -> None:
     assert not path.exists()
 
 
+def test_made_up_methods_share_one_metrics_series(start) -> None:
+    """Every method token was a label value kept for ever: 1,000 made-up 60 kB methods grew /metrics to 120 MB
+    and the daemon by 69 MB (an attack review). They are counted as one ``other``."""
+    daemon = start()
+    with daemon.client() as http:
+        for i in range(40):
+            assert http.request(f"M{i:04d}" + "Z" * 2000, "/healthz").status_code == 405
+        text = http.get("/metrics").text
+        assert metric_value(text, "transformd_http_requests_total",
+                            {"method": "other", "route": "/healthz", "status": "405"}) == 40
+        assert "M0001" not in text and len(text) < 100_000
+    daemon.stop()
+
+
+def test_files_of_an_entry_another_process_converts_are_waited_for_never_empty(start, models: Path) -> None:
+    """/files of an entry that another process converts (`convert --cache-dir C --no-daemon` into the daemon's
+    cache) was a 200 with no files: load_from_daemon returned no tensors and no error (an attack review). It is a
+    202 now; files() says so, and files(wait=True) and load_from_daemon wait for the entry."""
+    import threading
+
+    from transformd.cache import Cache
+    from transformd.cache.converter import TransformdConverter
+    from transformd.cache.keys import Recipe, cache_key
+    from transformd.client import ConflictError, TransformdClient
+    from transformd.loader import load_from_daemon
+
+    daemon = start()
+    cache, recipe, src = Cache(daemon.daemon.cache.root), Recipe(target="ocp"), models / "sample"
+    key = cache_key(cache.identity(src), recipe)  # (keyed first: the other conversion goes by this key)
+    begun, release, entries, loaded = threading.Event(), threading.Event(), [], []
+
+    def held(*args):
+        begun.set()
+        assert release.wait(60)
+        return TransformdConverter("cpu")(*args)
+
+    other = threading.Thread(target=lambda: entries.append(cache.get_or_convert(src, recipe, converter=held)))
+    other.start()
+    try:
+        assert begun.wait(30)
+        with TransformdClient(socket=daemon.socket_path) as td:
+            with pytest.raises(ConflictError, match="converting in another process"):
+                td.files(key)
+            waiter = threading.Thread(target=lambda: loaded.append(load_from_daemon(td, key, timeout=60)))
+            waiter.start()
+            waiter.join(0.5)
+            assert waiter.is_alive() and not loaded, "it waits for the entry"
+            release.set()
+            waiter.join(60)
+    finally:
+        release.set()
+        other.join(60)
+    (entry,) = entries
+    expected = {}
+    for shard in sorted(entry.path.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            expected.update({name: f.get_tensor(name) for name in f.keys()})
+    (tensors,) = loaded
+    assert expected and tensors.keys() == expected.keys()
+    assert all(torch.equal(tensors[n].reshape(-1).view(torch.uint8), expected[n].reshape(-1).view(torch.uint8))
+               for n in expected)
+    daemon.stop()
+
+
 def test_docs_work_offline(start) -> None:
     """/docs and /redoc reference only this daemon's URLs (no CDN), and every asset they name is served."""
     import re

@@ -486,10 +486,26 @@ class TransformdClient:
         """``GET /v1/checkpoints/{key}``: state, progress, error, path when ready."""
         return CheckpointStatus.from_json(self._json(self._request("GET", f"{_API}/checkpoints/{key}")))
 
-    def files(self, key: str) -> list[ShardFile]:
-        """``GET /v1/checkpoints/{key}/files``: every shard with its tensor table (absolute offsets)."""
-        data = self._json(self._request("GET", f"{_API}/checkpoints/{key}/files"))
-        return [ShardFile.from_json(f) for f in data.get("files", [])]
+    def files(self, key: str, *, wait: bool = False, poll_interval: float = 0.25,
+              timeout: float | None = None) -> list[ShardFile]:
+        """``GET /v1/checkpoints/{key}/files``: every shard with its tensor table (absolute offsets).
+
+        While another process converts the entry the daemon knows none of its shards (202): ``wait`` polls until
+        it does (:class:`ResolveTimeoutError` after ``timeout``), else that is a :class:`ConflictError`.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            response = self._request("GET", f"{_API}/checkpoints/{key}/files", ok=(200, 202))
+            data = self._json(response)
+            if response.status_code == 200:
+                return [ShardFile.from_json(f) for f in data.get("files", [])]
+            if not wait:
+                raise ConflictError.from_answer(f"entry {key} is converting in another process: its files are not "
+                                                f"known until it is ready (files(key, wait=True) waits)",
+                                                status=202, code="converting")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResolveTimeoutError(f"entry {key} not ready after {timeout:g}s (converting in another process)")
+            time.sleep(poll_interval)
 
     def file(
         self,

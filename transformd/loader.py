@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
+from .errors import ServerError
 from .safetensors_header import open_regular
 from .safetensors_io import DTYPE_BITS, TORCH_DTYPES, CheckpointError, read_header
 
@@ -185,7 +186,9 @@ def load_from_daemon(
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     wanted = None if names is None else set(names)
-    shards = client.files(key)
+    shards = client.files(key, wait=wait, timeout=timeout)
+    if not shards:  # (an entry has at least one shard: an empty table is never "no tensors")
+        raise ServerError(f"transformd's table of entry {key} lists no shards")
     ready: list[ShardFile] = []
     for shard in shards:
         needed = wanted is None or not shard.tensors or bool(wanted & shard.tensors.keys())

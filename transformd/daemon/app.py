@@ -484,7 +484,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         "/v1/checkpoints/{key}/files",
         response_model=FilesResponse,
         summary="The mmap API: every shard with its absolute path and tensor table (absolute byte offsets)",
-        responses=_errors(400, 404, 409),
+        responses={202: {"description": "another process converts it: no files known yet"}, **_errors(400, 404, 409)},
         tags=["files"],
     )
     async def get_files(key: KeyParam, request: Request) -> Response:
@@ -536,8 +536,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             raise _unknown_key(key)
         if view["state"] == "failed":
             raise ApiError(409, "conversion_failed", f"the conversion of {key} failed: {view['error']['message']}")
-        if files:  # converting in another process: nothing is known of its shards here
-            return _json({"key": key, "state": "converting", "files": []})
+        if files:  # converting in another process: nothing is known of its shards here (not a 200: an empty table)
+            return _json({"key": key, "state": "converting", "files": []}, 202, {"Retry-After": "1"})
         final = entries.final_dir(key) / (name or "")
         return _json(
             {
