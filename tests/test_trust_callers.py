@@ -84,6 +84,33 @@ def test_a_caller_who_cannot_read_the_source_is_refused(world: dict[str, Any], f
                      "403 permission_denied, nothing converted for it")
 
 
+def test_what_lies_in_a_directory_the_caller_cannot_search_is_not_told(world: dict[str, Any], fault_log) -> None:
+    """A caller who cannot search uid 1000's 0700 directory learnt what is in it from the answers to paths in it:
+    404 for a missing name, 400 "is not a directory" for a file, 422 "contains no files" for an empty directory, and
+    a private checkpoint's size in a 507 (an attack review). Every such path is one 403 now, before anything of it
+    is looked at; a missing path the caller could see for itself is still a 404."""
+    private = world["private"]
+    home = private.parent
+    empty = home / "empty"
+    empty.mkdir(exist_ok=True)
+    os.chown(empty, OWNER, OWNER)
+    link = home.parent / "public" / "link-to-missing"
+    if not link.is_symlink():
+        link.symlink_to(home / "missing")
+    inside = [private, home / "missing", home / "missing" / "deeper", private / "config.json", empty, link, link / "x"]
+    answers = as_uid(world["sock"], NOBODY, [("POST", "/v1/checkpoints", {"source": str(s)}) for s in [home, *inside]])
+    for status, body in answers:
+        assert status == 403 and body["error"]["code"] == "permission_denied", answers
+    said = {body["error"]["message"].replace(str(s), "SRC") for s, (_, body) in zip(inside, answers[1:], strict=True)}
+    assert len(said) == 1 and "search permission on a directory above the source" in said.pop(), answers
+    (status, body), = as_uid(world["sock"], NOBODY, [("POST", "/v1/checkpoints",
+                                                      {"source": str(home.parent / "public" / "missing")})])
+    assert status == 404, (status, body)
+    fault_log.record(CATEGORY, "uid 65534 POSTs paths in uid 1000's 0700 directory (a checkpoint, the directory, "
+                     "missing names, a file, an empty directory, a link to a missing name)", len(answers),
+                     "one 403 for all: nothing of them looked at")
+
+
 def test_a_cached_entry_is_served_only_to_callers_who_can_read_its_source(world: dict[str, Any], fault_log) -> None:
     http = world["http"]
     r = http.post("/v1/checkpoints", json={"source": str(world["private"])})  # root: may read it

@@ -33,7 +33,7 @@ from .files import EntryIndex
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
-from .peers import Caller, denied
+from .peers import Caller, denied, path_denied, unreadable
 from .schemas import (
     CacheModel,
     CheckpointInfo,
@@ -227,7 +227,7 @@ def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, cal
     except Exception as e:
         raise error_for_exception(e) from e
     if plan is None:
-        raise _unreadable(caller, source, str(missing))
+        raise unreadable(caller, source, str(missing))
     return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
 
 
@@ -244,7 +244,7 @@ def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
     except Exception as e:
         raise error_for_exception(e) from e
     if missing is not None:
-        raise _unreadable(caller, source, missing)
+        raise unreadable(caller, source, missing)
     return real
 
 
@@ -274,13 +274,6 @@ def _with_hub(body: bytes | None, d: Daemon, key: str) -> bytes | None:
     if not hub or body is None:
         return body
     return json.dumps({**json.loads(body), **hub}, separators=(",", ":")).encode()
-
-
-def _unreadable(caller: Caller, source: str, missing: str) -> ApiError:
-    """403 for a source ``caller`` could not read itself (``missing``: the right it lacks, and where)."""
-    return ApiError(403, "permission_denied", f"{caller.describe()} may not read source {source} ({missing} is "
-                    "missing); the daemon converts and serves a source only for callers who could read every file of "
-                    "it themselves")
 
 
 def _check_engine(report: dict[str, Any] | None, engine: str | None) -> None:
@@ -331,6 +324,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         async with slot:
             hub = await _hub_source(d, body.source, body.revision)  # {} for a path; else the repo id's snapshot
         source = d.policy.check_syntax(hub["hub"]["snapshot"] if hub else body.source)
+        if not hub and (missing := await _thread(path_denied, caller, source)) is not None:
+            raise unreadable(caller, source, missing)  # (before anything of it is looked at: no 404, 422 or 507 said)
         if target is None:  # native MX: the engine loads the source itself
             async with slot:
                 real = await _thread(_readable_source, d, source, caller)
@@ -346,7 +341,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 ident = await service.identify(source)  # no worker free now: hash first, answer without the queue
         missing = denied(caller, ident.access) if ident.access is not None else None
         if missing is not None:
-            raise _unreadable(caller, source, missing)
+            raise unreadable(caller, source, missing)
         key = cache_key(ident, recipe)
         _remember_hub(d, key, hub)
         job = service.job(key)
@@ -376,7 +371,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         when that key was cached already. None when no worker is free for it at once."""
         missing = denied(caller, pending.access)
         if missing is not None:
-            raise _unreadable(caller, source, missing)
+            raise unreadable(caller, source, missing)
         slot = pending.slot(recipe)
         await _admit(caller, slot, source, body, recipe.target)
         job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True)

@@ -13,6 +13,8 @@ not read (a confused deputy). So every request carries a :class:`Caller`:
 permission on every file, read and search permission on every directory of the source, search permission on
 every directory above each of them, evaluated like the kernel does from owner, group and mode bits (uid 0
 may read everything). POSIX ACLs are not evaluated: a file readable only through an ACL entry is refused.
+:func:`path_denied` checks the way to a source the same way before anything of it is looked at, so that what
+lies where the caller cannot look is never told by an answer.
 
 The uvicorn protocol classes of :func:`peer_protocol` put the caller of a unix connection into the ASGI scope
 under :data:`SCOPE_KEY`, once per connection.
@@ -23,11 +25,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 from ..cache.securefs import AccessFacts, Fact
+from .errors import ApiError
 
 #: ASGI scope key of the :class:`Caller` of a request.
 SCOPE_KEY = "transformd.caller"
@@ -112,14 +116,52 @@ def denied(caller: Caller, facts: AccessFacts, shown: Any = None) -> str | None:
     return None
 
 
+def path_denied(caller: Caller, path: str) -> str | None:
+    """Before anything of ``path`` is looked at for ``caller``: the right it lacks to reach it itself, or None.
+
+    Every directory above it must let the caller search it, along the path as written and as resolved (a symbolic
+    link leads through other directories), and the source itself, a directory, must let it read and search it. A
+    missing component ends the walk: the caller could see that itself. Before this, what the daemon found with its
+    own rights answered a caller who could not look: 404, "is not a directory", "contains no files", and the size
+    of another user's private checkpoint in a 507 (an attack review)."""
+    if caller.uid == 0:
+        return None
+    for walked in dict.fromkeys((path, os.path.realpath(path))):
+        names = [name for name in walked.split(os.sep) if name]
+        current = os.sep
+        for depth in range(len(names) + 1):
+            try:
+                st = os.stat(current)
+            except OSError:
+                break  # missing (or not even the daemon may look): the request's own checks say so
+            if not stat.S_ISDIR(st.st_mode):
+                break
+            fact = (current, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode))
+            if depth < len(names):
+                if not _bits(fact, caller) & _X:
+                    return "search permission on a directory above the source"
+                current = os.path.join(current, names[depth])
+            elif _bits(fact, caller) & (_R | _X) != (_R | _X):
+                return "read permission on a directory of the source"
+    return None
+
+
+def unreadable(caller: Caller, source: str, missing: str) -> ApiError:
+    """403 for a source ``caller`` could not read itself (``missing``: the right it lacks, and where)."""
+    return ApiError(403, "permission_denied", f"{caller.describe()} may not read source {source} ({missing} is "
+                    "missing); the daemon converts and serves a source only for callers who could read every file of "
+                    "it themselves")
+
+
 # ---------------------------------------------------------------------------------------------------- uvicorn
 
 
-def _raw_error(status: int, reason: str, code: str, message: str) -> bytes:
+def _raw_error(status: int, reason: str, code: str, message: str, *, retry: bool = True) -> bytes:
     body = json.dumps({"error": {"status": status, "code": code, "message": message}}).encode()
+    retry_after = "retry-after: 5\r\n" if retry else ""
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-        "connection: close\r\nretry-after: 5\r\n\r\n"
+        f"connection: close\r\n{retry_after}\r\n"
     )
     return head.encode() + body
 
@@ -198,6 +240,12 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
                 self._td_armed_for = cycle
                 self._td_timer = self.loop.call_later(header_timeout_s, self._td_header_deadline)
             super().data_received(data)
+
+        def send_400_response(self, msg: str) -> None:
+            """A request uvicorn cannot parse (a bad Content-Length, chunk framing, method): JSON as every error,
+            not its ``text/plain``."""
+            self.transport.write(_raw_error(400, "Bad Request", "bad_request", msg, retry=False))
+            self.transport.close()
 
         def eof_received(self) -> None:
             if not self._td_refused:
