@@ -145,6 +145,10 @@ def test_gc_and_rm(capsys, filled):
     assert code == 1 and "no cache entry" in err
     code, out, err = run(capsys, "cache", "gc", "--budget", "lots", "--cache-dir", str(cache.root))
     assert code == 2 and "cannot parse size" in err
+    for size in ("1e999", "1e999G"):  # (1e999 was an OverflowError's traceback: an attack review)
+        code, out, err = run(capsys, "cache", "gc", "--budget", size, "--cache-dir", str(cache.root))
+        assert code == 2 and err.strip() == f"transformd: error: size must be a finite number of bytes, not " \
+                                            f"negative: {size}", err
 
 
 def test_module_entry_point(tmp_path, filled):

@@ -117,6 +117,18 @@ def test_tcp_without_token_is_401(world):
 def test_relative_source_is_sent_absolute(world, client, monkeypatch):
     monkeypatch.chdir(world["models"])
     assert client.resolve("good", poll_interval=0.01) == world["converted"]
+    # a quoted ~ (exec-form args, YAML) is the home directory, as in a shell; it was ./~ (an attack review)
+    monkeypatch.setenv("HOME", str(world["models"].parent))
+    monkeypatch.chdir(world["models"] / "good")
+    assert client.resolve(f"~/{world['models'].name}/good", poll_interval=0.01) == world["converted"]
+
+
+def test_a_quoted_tilde_in_convert_is_the_home_directory(tmp_path, monkeypatch):
+    from transformd.hub import source_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert source_path("~/models/x") == tmp_path / "models" / "x"
+    assert source_path("./~/x") == Path("./~/x")
 
 
 def test_failed_conversion_carries_the_daemons_error(world, client):
@@ -421,6 +433,13 @@ def test_cli_resolve_unauthorized_and_unreachable(world, tmp_path):
     assert run.returncode == 2 and "401" in run.stderr
     run = _cli(str(world["models"] / "good"), "--socket", str(tmp_path / "none.sock"))
     assert run.returncode == 1 and "cannot reach transformd" in run.stderr and run.stdout == ""
+    for url in ("http://[::1", "http://127.0.0.1:abc"):  # (httpx's InvalidURL traceback: an attack review)
+        run = _cli(str(world["models"] / "good"), "--url", url)
+        assert run.returncode == 2 and run.stderr.startswith(f"transformd: error: not a URL: {url!r} (Invalid port")
+        assert len(run.stderr.splitlines()) == 1, run.stderr
+    for seconds in ("nan", "-1", "inf"):  # (nan waited for a daemon gone away without end)
+        run = _cli(str(world["models"] / "good"), "--socket", str(world["socket"]), f"--reconnect={seconds}")
+        assert run.returncode == 2 and "--reconnect" in run.stderr and "seconds (0 or more)" in run.stderr, run.stderr
 
 
 def test_cli_health(world, tmp_path):
@@ -559,3 +578,28 @@ def test_an_answer_past_the_size_cap_is_not_read_to_its_end(monkeypatch):
             td.cache()
         assert len(pulled) <= 17  # 1 MiB and one chunk, not the endless rest
         assert td.health() == {"status": "ok", "pad": "y" * 100_000}
+
+
+@pytest.mark.parametrize("answer, message", [
+    ([1, 2], "malformed answer (TypeError: not a JSON object but list)"),
+    ({"key": "0" * 32, "state": "ready", "path": "rel/dir"}, "the path 'rel/dir' is not absolute"),
+    ({"key": "0" * 32, "state": "ready", "path": None}, f"reported entry {'0' * 32} ready without its path"),
+    ({"key": "0" * 32, "state": "ready", "path": 7}, "the path '7' is not absolute"),
+], ids=["a-list", "a-relative-path", "no-path", "a-number"])
+def test_an_answer_of_another_shape_is_the_daemons_error_in_one_line(answer, message):
+    """What listens on the socket may answer anything: a list was an AttributeError's traceback, a relative path was
+    printed and loaded from the engine's working directory (another directory, silently), and a ready answer
+    without its path was asked again for ever (an attack review)."""
+    import httpx
+
+    posts = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        posts.append(request.url.path)
+        return httpx.Response(200, json=answer)
+
+    with TransformdClient(socket="/nonexistent.sock", transport=httpx.MockTransport(handler)) as td:
+        with pytest.raises(ServerError) as info:
+            td.resolve("/models/x", timeout=5)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert len(posts) <= 2

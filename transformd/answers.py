@@ -19,6 +19,16 @@ _HEX_DIGITS = "0123456789abcdef"
 
 
 
+def _absolute(path: Any) -> Path | None:
+    """A path of the daemon's answer: absolute, or None; a relative one would name another directory in the caller's
+    working directory, silently (a ValueError, which the client turns into its ServerError)."""
+    if not path:
+        return None
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ValueError(f"the path {str(path)[:80]!r} is not absolute")
+    return Path(path)
+
+
 @dataclass(frozen=True)
 class CheckpointStatus:
     """One entry as the daemon reports it (``POST /v1/checkpoints`` or ``GET /v1/checkpoints/{key}``)."""
@@ -62,7 +72,7 @@ class CheckpointStatus:
             state=str(data.get("state", "")),
             progress=Progress.from_json(data.get("progress")),
             error=error,
-            path=Path(path) if path else None,
+            path=_absolute(path),
             source=data.get("source"),
             recipe=data.get("recipe"),
             size_bytes=data.get("size_bytes"),
@@ -106,12 +116,12 @@ class ShardFile:
         final, path = data.get("final_path"), data.get("path")
         return cls(
             name=str(data["name"]),
-            path=Path(path) if path else None,
+            path=_absolute(path),
             size=data.get("size"),
             digest=data.get("digest"),
             ready=bool(data.get("ready", True)),
             tensors={str(k): TensorEntry.from_json(v) for k, v in (data.get("tensors") or {}).items()},
-            final_path=Path(final) if final else None,
+            final_path=_absolute(final),
         )
 
 

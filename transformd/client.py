@@ -166,6 +166,10 @@ class TransformdClient:
                 token = _read_token_file(token_file) if token_file else None
             self.socket: Path | None = None
             self.url = url.rstrip("/")
+            try:
+                httpx.URL(self.url)
+            except httpx.InvalidURL as err:  # (else httpx's traceback at the first request)
+                raise BadRequestError(f"not a URL: {url!r} ({err})") from err
             base_url = self.url
             transport = transport or httpx.HTTPTransport(retries=0)
         else:
@@ -259,14 +263,23 @@ class TransformdClient:
         return error
 
     @staticmethod
-    def _json(response: httpx.Response) -> Any:
+    def _json(response: httpx.Response, build: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+        """The answer's JSON object, or ``build(it)``: anything else (not JSON, not an object, a field missing or of
+        another type) is the daemon's fault, a ServerError in one line (it was an AttributeError's traceback)."""
+        where = response.request.url.path
         try:
-            return response.json()
+            data = response.json()
         except ValueError as err:
-            raise ServerError.from_answer(
-                f"transformd answered {response.request.url.path} with non-JSON: {response.text[:200]!r}",
-                status=response.status_code, code=None,
-            ) from err
+            raise ServerError.from_answer(f"transformd answered {where} with non-JSON: {response.text[:200]!r}",
+                                          status=response.status_code, code=None) from err
+        try:
+            if not isinstance(data, dict):
+                raise TypeError(f"not a JSON object but {type(data).__name__}")
+            return data if build is None else build(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ServerError.from_answer(f"transformd answered {where} with a malformed answer "
+                                          f"({type(err).__name__}: {str(err)[:200]})",
+                                          status=response.status_code, code=None) from err
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
 
@@ -300,7 +313,7 @@ class TransformdClient:
         from .hub import is_repo_id
 
         body = {
-            "source": source if is_repo_id(source) else os.path.abspath(os.fspath(source)),
+            "source": source if is_repo_id(source) else os.path.abspath(os.path.expanduser(os.fspath(source))),
             "target": str(getattr(target, "value", target)),
             "scale_mode": str(getattr(scale_mode, "value", scale_mode)),
             "select": select,
@@ -311,7 +324,7 @@ class TransformdClient:
             body["revision"] = revision
         limit = import_httpx().Timeout(wait_s, connect=self.timeout)
         response = self._request("POST", f"{_API}/checkpoints", json=body, ok=(200, 201, 202), timeout=limit)
-        status = CheckpointStatus.from_json(self._json(response))
+        status = self._json(response, CheckpointStatus.from_json)
         self.last_key = status.key
         return status
 
@@ -390,7 +403,9 @@ class TransformdClient:
                         return status.path
                     # A status without the path: the POST answer of a ready entry always carries it.
                     status = submit()
-                    if status.ready and status.path is not None:
+                    if status.ready:
+                        if status.path is None:  # (asking again would get the same answer for ever)
+                            raise ServerError(f"transformd reported entry {key} ready without its path")
                         return status.path
                 if status.failed:
                     err = status.error
@@ -484,7 +499,7 @@ class TransformdClient:
 
     def status(self, key: str) -> CheckpointStatus:
         """``GET /v1/checkpoints/{key}``: state, progress, error, path when ready."""
-        return CheckpointStatus.from_json(self._json(self._request("GET", f"{_API}/checkpoints/{key}")))
+        return self._json(self._request("GET", f"{_API}/checkpoints/{key}"), CheckpointStatus.from_json)
 
     def files(self, key: str, *, wait: bool = False, poll_interval: float = 0.25,
               timeout: float | None = None) -> list[ShardFile]:
@@ -496,9 +511,8 @@ class TransformdClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             response = self._request("GET", f"{_API}/checkpoints/{key}/files", ok=(200, 202))
-            data = self._json(response)
             if response.status_code == 200:
-                return [ShardFile.from_json(f) for f in data.get("files", [])]
+                return self._json(response, lambda data: [ShardFile.from_json(f) for f in data["files"]])
             if not wait:
                 raise ConflictError.from_answer(f"entry {key} is converting in another process: its files are not "
                                                 f"known until it is ready (files(key, wait=True) waits)",
@@ -525,7 +539,7 @@ class TransformdClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             response = self._request("GET", f"{_API}/checkpoints/{key}/files/{name}", ok=(200, 202))
-            shard = ShardFile.from_json(self._json(response))
+            shard = self._json(response, ShardFile.from_json)
             if response.status_code == 202:
                 shard = ShardFile(shard.name, shard.path, shard.size, shard.digest, False, shard.tensors,
                                   shard.final_path)
@@ -548,7 +562,7 @@ class TransformdClient:
         """``POST /v1/checkpoints/{key}/leases``: protect the entry from eviction for ``ttl_s`` seconds."""
         body = {"ttl_s": ttl_s, "holder": holder or _default_holder()}
         response = self._request("POST", f"{_API}/checkpoints/{key}/leases", json=body, ok=(200, 201))
-        return LeaseInfo.from_json(self._json(response))
+        return self._json(response, LeaseInfo.from_json)
 
     def release_lease(self, key: str, lease_id: str) -> None:
         """``DELETE /v1/checkpoints/{key}/leases/{id}`` (a lease already gone is not an error)."""

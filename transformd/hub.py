@@ -439,7 +439,7 @@ def source_path(
             raise RevisionWithoutRepoError(
                 f"--revision {revision} applies to a Hugging Face repo id; {source} is a directory"
             )
-        return Path(source)
+        return Path(os.path.expanduser(os.fspath(source)))  # (a quoted ~ of exec-form args: the home)
     found = resolve_repo(os.fspath(source), revision, cache_dir=cache_dir)
     if note is not None:
         print(f"transformd: {found.describe()}", file=note, flush=True)

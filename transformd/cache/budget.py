@@ -4,6 +4,7 @@ that skips leased entries, usage, ``rm``, ``gc``, and the cleanup of what dead p
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import secrets
 import time
@@ -83,8 +84,8 @@ def parse_size(text: str | int, *, total: int | None = None) -> int:
     if unit not in _UNITS or not num:
         raise ValueError(f"cannot parse size {text!r}; use bytes or a suffix like 500G, 1.5TiB, or 80%")
     value = float(num) * _UNITS[unit]
-    if value < 0:
-        raise ValueError(f"size must not be negative: {text}")
+    if not math.isfinite(value) or value < 0:  # (1e999 was an OverflowError's traceback, nan a ValueError's)
+        raise ValueError(f"size must be a finite number of bytes, not negative: {text}")
     return int(value)
 
 

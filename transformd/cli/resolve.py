@@ -94,7 +94,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                          help="a check: every MXFP8 weight's name must match (RE2), else nothing is converted")
     resolve.add_argument("--timeout", metavar="S", type=positive_float, default=None,
                          help="give up waiting after S seconds (exit 1; the conversion goes on). Default: no limit")
-    resolve.add_argument("--reconnect", metavar="S", type=float, default=DEFAULT_RECONNECT_S,
+    resolve.add_argument("--reconnect", metavar="S", type=non_negative_float, default=DEFAULT_RECONNECT_S,
                          help="when the daemon goes away during the wait (restarted), wait up to S seconds for it "
                               f"to answer again and ask it again (default {DEFAULT_RECONNECT_S:g}; 0: fail at once)")
     resolve.add_argument("--poll-interval", metavar="S", type=positive_float, default=0.5, help=argparse.SUPPRESS)
