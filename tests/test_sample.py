@@ -307,3 +307,30 @@ def test_every_file_has_the_mode_of_the_others(sample: Path):
     user (the container's uid 10001). Every file now has the umask's mode, as the JSON files do."""
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in sample.iterdir()}
     assert set(modes.values()) == {modes["config.json"]}, modes
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "empty-dir"])
+def test_a_sample_stopped_part_way_leaves_nothing(tmp_path: Path, monkeypatch, existing: bool):
+    """SIGTERM (or Ctrl-C) while `transformd sample DIR` wrote left DIR with its first shard, and the next run
+    refused DIR as not empty (an attack review). It is written beside DIR and renamed into place at the end."""
+    from transformd import sample as sample_module
+
+    saved, real_save = [], sample_module._save
+
+    def stop_at_the_second(tensors, path):
+        if saved:
+            raise KeyboardInterrupt  # what SIGTERM raises in the CLI (cli.common.Terminated)
+        saved.append(path)
+        real_save(tensors, path)
+
+    out = tmp_path / "s"
+    if existing:
+        out.mkdir()
+    monkeypatch.setattr(sample_module, "_save", stop_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        write_sample_checkpoint(out, shards=2)
+    assert saved and sorted(os.listdir(tmp_path)) == (["s"] if existing else [])
+    assert not existing or os.listdir(out) == []
+    monkeypatch.setattr(sample_module, "_save", real_save)
+    assert write_sample_checkpoint(out, shards=2) == out and len(list(out.glob("*.safetensors"))) == 2
+    assert sorted(os.listdir(tmp_path)) == ["s"]

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -138,35 +140,44 @@ def write_sample_checkpoint(
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists and is not an empty directory")
-    path.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # written beside it, then renamed into place: a sample stopped part-way (Ctrl-C, SIGTERM) leaves no directory
+    # holding some of its shards, which the next run would refuse as not empty (an attack review)
+    out = path.parent / f".{path.name}.sample-{os.getpid()}.{secrets.token_hex(4)}"
+    out.mkdir()
+    try:
+        dims = _Dims(hidden, moe_intermediate, head_dim, kv_heads, vocab, experts)
+        make = _Maker(seed, scale_suffix)
+        embeddings = [
+            partial(make.named, make.bf16, "model.embed_tokens.weight", (vocab, hidden)),
+            partial(make.named, make.norm, "model.norm.weight", hidden),
+            partial(make.named, make.bf16, "lm_head.weight", (vocab, hidden)),
+        ]
+        with _in_parallel() as made:
+            if shards == 1:
+                parts = embeddings + [part for n in range(layers)
+                                      for part in _layer_parts(make, dims, n, fused_experts)]
+                _save(made(parts), out / "model.safetensors")
+            else:
+                # Shard 1: BF16 only. Layers go, in contiguous runs, to shards 2..N; each shard is
+                # written as soon as it is complete, so memory holds one shard at a time.
+                writer = _ShardWriter(out, shards)
+                writer.write(made(embeddings))
+                for shard in range(shards - 1):
+                    run = [layer for layer in range(layers) if layer * (shards - 1) // layers == shard]
+                    writer.write(made(part for layer in run for part in _layer_parts(make, dims, layer, fused_experts)))
+                writer.write_index()
 
-    dims = _Dims(hidden, moe_intermediate, head_dim, kv_heads, vocab, experts)
-    make = _Maker(seed, scale_suffix)
-    embeddings = [
-        partial(make.named, make.bf16, "model.embed_tokens.weight", (vocab, hidden)),
-        partial(make.named, make.norm, "model.norm.weight", hidden),
-        partial(make.named, make.bf16, "lm_head.weight", (vocab, hidden)),
-    ]
-    with _in_parallel() as made:
-        if shards == 1:
-            parts = embeddings + [part for n in range(layers) for part in _layer_parts(make, dims, n, fused_experts)]
-            _save(made(parts), path / "model.safetensors")
-        else:
-            # Shard 1: BF16 only. Layers go, in contiguous runs, to shards 2..N; each shard is
-            # written as soon as it is complete, so memory holds one shard at a time.
-            writer = _ShardWriter(path, shards)
-            writer.write(made(embeddings))
-            for shard in range(shards - 1):
-                run = [layer for layer in range(layers) if layer * (shards - 1) // layers == shard]
-                writer.write(made(part for layer in run for part in _layer_parts(make, dims, layer, fused_experts)))
-            writer.write_index()
-
-    config = _model_config(dims, layers)
-    _write_json(path / "config.json", config)
-    _write_json(path / "hf_quant_config.json", _hf_quant_config())
-    _write_json(path / "generation_config.json", _generation_config())
-    _write_json(path / "tokenizer_config.json", _tokenizer_config())
-    _write_json(path / "tokenizer.json", _tokenizer(vocab))
+        config = _model_config(dims, layers)
+        _write_json(out / "config.json", config)
+        _write_json(out / "hf_quant_config.json", _hf_quant_config())
+        _write_json(out / "generation_config.json", _generation_config())
+        _write_json(out / "tokenizer_config.json", _tokenizer_config())
+        _write_json(out / "tokenizer.json", _tokenizer(vocab))
+        os.rename(out, path)  # (over an empty directory too)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     return path
 
 
