@@ -337,6 +337,27 @@ def test_files_of_an_entry_another_process_converts_are_waited_for_never_empty(s
     daemon.stop()
 
 
+def test_a_request_the_server_cannot_parse_gets_a_json_error(start) -> None:
+    """A bad Content-Length or chunk framing got uvicorn's text/plain "Invalid HTTP request received." (an attack
+    review); every error of the daemon is JSON."""
+    import socket
+
+    daemon = start()
+    for raw in (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                b"POST /v1/checkpoints HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(str(daemon.socket_path))
+            sock.sendall(raw)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), answer
+        assert json.loads(body)["error"]["code"] == "bad_request", answer
+    daemon.stop()
+
+
 def test_docs_work_offline(start) -> None:
     """/docs and /redoc reference only this daemon's URLs (no CDN), and every asset they name is served."""
     import re

@@ -230,7 +230,7 @@ def test_partly_quantized_merged_layer_is_a_problem() -> None:
 
 def test_fnuz_output_warns_engines_and_transformers_refuses() -> None:
     config, specs = _qwen3_like(768)
-    config["quantization_config"] = {"transformd": {"target": "fnuz"}}
+    config["quantization_config"] = {"weight_block_size": [128, 128], "transformd": {"target": "fnuz"}}
     report = readiness(config, [(n, "F8_E4M3FNUZ" if d == "F8_E4M3" else d, s) for n, d, s in specs])
     assert report["transformers"].loads_at == [] and report["vllm"].loads_at == [1, 2]
     assert "16 codes change" in report["vllm"].warnings[0] and "safetensors >= 0.8" in report["vllm"].warnings[0]
@@ -386,6 +386,20 @@ def test_inspect_a_loadable_dir(tmp_path: Path, capsys) -> None:
     heads = [line for line in lines if not line.startswith(" ")]
     assert heads == ["vllm: loads at TP 1", "sglang: loads at TP 1", "transformers: loads at TP 1", str(tmp_path / "out")]
     assert "  TP 2: model.layers.*.block_sparse_moe.experts: MoE intermediate size per rank 64" in "\n".join(lines)
+    # an edited config whose block size is not 128x128 does not load right (it said "loads": an attack review)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    for block in ([0, 128], "x", None, [128, 128, 1]):
+        if block is None:
+            del config["quantization_config"]["weight_block_size"]
+        else:
+            config["quantization_config"]["weight_block_size"] = block
+        (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+        assert cli.main(["inspect", str(tmp_path / "out")]) == 2  # (no engine loads it)
+        lines = capsys.readouterr().out.splitlines()
+        assert [line for line in lines if not line.startswith(" ")][:3] == [
+            f"{engine}: does not load: quantization_config.weight_block_size is {block!r}, not [128, 128]: the "
+            f"weight_scale_inv tensors hold one scale per 128x128 block, which {engine} reads as such only when the "
+            "config says so" for engine in ("vllm", "sglang", "transformers")], lines
 
 
 def test_minimax_m3_is_refused_for_vllm(tmp_path: Path) -> None:

@@ -134,6 +134,7 @@ class _Model:
     target: str | None
     fused_experts: tuple[str, ...] = ()  # 3-D FP8 expert stacks (``experts.gate_up_proj[.weight]``)
     kv_cache_fp8: bool = False  # the config asks for an FP8 KV cache (:func:`transformd.quant_config.kv_cache_fp8`)
+    block_size: Any = (BLOCK, BLOCK)  # quantization_config.weight_block_size (as found; a config without one: ok)
 
 
 def readiness(
@@ -186,6 +187,7 @@ def _model(config: Mapping[str, Any], tensors: Iterable[tuple[str, str, Sequence
         target if isinstance(target, str) else None,
         tuple(sorted(fused)),
         kv_cache_fp8(config),
+        qc.get("weight_block_size") if isinstance(qc, dict) else (BLOCK, BLOCK),
     )
 
 
@@ -215,6 +217,12 @@ def _engine_readiness(engine: Engine, m: _Model, tp_sizes: Sequence[int]) -> Eng
             "the checkpoint asks for an FP8 KV cache (kv_cache_quant_algo FP8), which vLLM reads from a ModelOpt "
             "config only, not from an fp8 one: start it with --kv-cache-dtype fp8 to keep it (else its KV cache is "
             "in the model's dtype, twice the memory)"
+        )
+    if not (isinstance(m.block_size, list | tuple) and list(m.block_size) == [BLOCK, BLOCK]):
+        general.append(  # (inspect of an edited config said "loads" of [0, 128], "x" or none: an attack review)
+            f"quantization_config.weight_block_size is {m.block_size!r:.40}, not [{BLOCK}, {BLOCK}]: the "
+            f"weight_scale_inv tensors hold one scale per {BLOCK}x{BLOCK} block, which {engine.value} reads as such "
+            "only when the config says so"
         )
     general += _mixed_precision_problems(m)
     general += _fused_expert_problems(engine, m)
