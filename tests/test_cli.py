@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,14 @@ def test_a_second_convert_into_one_out_is_refused_before_it_converts(tmp_path: P
         first.communicate("")
     code, stdout, _ = _run(capsys, "convert", src, "--out", out, "--device", "cpu")
     assert code == 0 and stdout[-1] == str(out) and sorted(os.listdir(tmp_path)) == ["out", "src"]
+    # what a killed conversion left, named with a pid that runs again (ours: a container's pid 1 restarted; pid 1),
+    # unlocked for a minute: no conversion writes it, so it refuses nothing
+    left = [tmp_path / f".again.transformd-staging-{pid}.0123456789ab" for pid in (os.getpid(), 1)]
+    for path in left:
+        path.mkdir()
+        os.utime(path, (time.time() - 60, time.time() - 60))
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", tmp_path / "again", "--device", "cpu")
+    assert code == 0 and stdout[-1] == str(tmp_path / "again"), stderr
 
 
 def test_convert_invalid_values_exit_2_nothing_written(tmp_path: Path, capsys) -> None:

@@ -18,6 +18,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -316,10 +317,11 @@ def remove_leftovers(out: Path) -> None:
         if tag == _OLD_TAG:
             olds.append(path)
         elif tag == _STAGING_TAG:
-            if _in_use(path):
-                live = True
-            else:
+            free = _lock_free(path) and not _creator_alive(_token)
+            if free:
                 shutil.rmtree(path, ignore_errors=True)
+            else:
+                live = True
     if not olds or live:
         return
     with contextlib.suppress(OSError):
@@ -331,20 +333,35 @@ def remove_leftovers(out: Path) -> None:
             os.rename(olds[0], out)
 
 
-def _in_use(staging: Path) -> bool:
-    """Whether a conversion still writes the staging directory ``staging``: it holds the flock, or (between its
-    mkdir and its flock) the process named in it runs."""
-    return not (_lock_free(staging) and not _creator_alive(staging.name.rpartition("-")[2]))
+#: Seconds a staging directory may be without its flock while its creator runs (make_staging: mkdir, then flock).
+_UNLOCKED_S = 10.0
 
 
 def others_converting(staging: Path, out: Path) -> list[str]:
-    """Names of the staging directories beside ``out``, other than ``staging``, that a conversion still writes."""
+    """Names of the staging directories beside ``out``, other than ``staging``, that another conversion writes now:
+    it holds the flock, or made the directory moments ago (between its mkdir and its flock). Never one that a killed
+    process left, even where its pid runs again (a container's pid 1 restarted: :func:`remove_leftovers` keeps
+    that one, a refusal for it would never end), nor one on a file system without flock once it is a few seconds
+    old."""
     prefix = f".{out.name}.{_STAGING_TAG}-"
     try:
         names = sorted(n for n in os.listdir(out.parent) if n.startswith(prefix) and n != staging.name)
     except OSError:
         return []
-    return [name for name in names if _in_use(out.parent / name)]
+    writing = []
+    for name in names:
+        path = out.parent / name
+        if _lock_free(path) is False:
+            writing.append(name)
+            continue
+        token = name.rpartition("-")[2]
+        try:
+            just_made = time.time() - os.stat(path).st_mtime < _UNLOCKED_S
+        except OSError:
+            continue
+        if just_made and token.partition(".")[0] != str(os.getpid()) and _creator_alive(token):
+            writing.append(name)
+    return writing
 
 
 def publish(staging: Path, out: Path, overwrite: bool) -> None:
