@@ -361,3 +361,46 @@ def test_converter_leftovers_beside_the_checkpoint_are_not_published(tmp_path):
     cache = Cache(tmp_path / "cache", budget_bytes="1G")
     entry = cache.get_or_convert(src, converter=messy)
     assert sorted(os.listdir(entry.root)) == [CHECKPOINT_DIR, MANIFEST_NAME]
+
+
+def test_other_users_pass_through_the_cache_but_list_nothing(tmp_path) -> None:
+    """Every directory of the cache was 0755: any user of the node listed every entry (and so read every converted
+    checkpoint, served by the daemon only to callers who could read its source) and read the stat cache, which
+    names every source. entries/ and staging/ are 0711 now (an engine maps the paths the daemon gave it), the rest
+    0700; a cache made before is mended when it is opened."""
+    import shutil
+    import subprocess
+    import sys
+
+    from .support.daemon import short_tempdir
+
+    base = short_tempdir("tdmode-")
+    try:
+        os.chmod(base, 0o755)
+        old = base / "cache"
+        Cache(old)
+        for d in old.iterdir():
+            if d.is_dir():
+                os.chmod(d, 0o755)  # the layout of before
+        cache = Cache(old, converter=CopyConverter())
+        entry = cache.get_or_convert(write_source(base / "src", seed=1))
+        modes = {d.name: stat.S_IMODE(d.stat().st_mode) for d in cache.root.iterdir() if d.is_dir()}
+        assert modes == {**{name: 0o700 for name in modes}, "entries": 0o711, "staging": 0o711}, modes
+        assert set(modes) >= {"entries", "staging", "stat-cache", "locks", "leases", "failures"}
+        if os.geteuid() != 0:
+            return
+        probe = (
+            "import os, sys, json\nos.setgid(65534); os.setuid(65534)\nout = {}\n"
+            "for p in sys.argv[1:]:\n"
+            "    try:\n        out[p] = len(os.listdir(p)) if os.path.isdir(p) else len(open(p, 'rb').read())\n"
+            "    except PermissionError:\n        out[p] = 'denied'\n"
+            "print(json.dumps(out))"
+        )
+        paths = [cache.entries_dir, cache.root / "stat-cache", cache.locks_dir, entry.path,
+                 next(p for p in entry.path.rglob("*") if p.is_file())]
+        r = subprocess.run([sys.executable, "-c", probe, *map(str, paths)], capture_output=True, text=True, check=True)
+        seen = json.loads(r.stdout)
+        assert [seen[str(p)] for p in paths[:3]] == ["denied"] * 3, seen
+        assert all(isinstance(seen[str(p)], int) and seen[str(p)] > 0 for p in paths[3:]), seen
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

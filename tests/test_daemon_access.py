@@ -442,7 +442,7 @@ def test_the_cache_is_never_writable_by_others(tmp_path: Path, fault_log) -> Non
             with pytest.raises(RuntimeError, match="exited with 1"):
                 DaemonProcess(run / "td.sock", cache, [models]).start()
             log = (run / "td.log").read_text()
-            assert f"cache directory {cache / 'entries'} (mode 0755, owner uid 65534) can be written by others" in log
+            assert f"cache directory {cache / 'entries'} (mode 0711, owner uid 65534) can be written by others" in log
             theirs = tmp_path / "theirs"  # a root another user owns: he may rename what the daemon makes in it
             theirs.mkdir()
             os.chown(theirs, 65534, 65534)

@@ -106,9 +106,61 @@ def test_what_lies_in_a_directory_the_caller_cannot_search_is_not_told(world: di
     (status, body), = as_uid(world["sock"], NOBODY, [("POST", "/v1/checkpoints",
                                                       {"source": str(home.parent / "public" / "missing")})])
     assert status == 404, (status, body)
+    # a source the caller may read, holding uid 1000's 0700 directory: what is in it is not told either (a link out
+    # of the roots in it was named by a 403 source_not_allowed; a large file in it was sized by a 507)
+    mixed = home.parent / "public" / "mixed"
+    if not mixed.exists():
+        shutil.copytree(private, mixed)
+        (mixed / "extra").mkdir()
+        (mixed / "extra" / "leak.safetensors").symlink_to("/etc/passwd")
+        for p in [mixed, *mixed.rglob("*")]:
+            os.chown(p, OWNER, OWNER, follow_symlinks=False)
+            if not p.is_symlink():
+                os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        os.chmod(mixed / "extra", 0o700)
+    (status, body), = as_uid(world["sock"], NOBODY, [("POST", "/v1/checkpoints", {"source": str(mixed)})])
+    assert status == 403 and body["error"]["code"] == "permission_denied", (status, body)
+    assert "leak" not in json.dumps(body) and "read permission on a directory of the source" in json.dumps(body)
     fault_log.record(CATEGORY, "uid 65534 POSTs paths in uid 1000's 0700 directory (a checkpoint, the directory, "
-                     "missing names, a file, an empty directory, a link to a missing name)", len(answers),
-                     "one 403 for all: nothing of them looked at")
+                     "missing names, a file, an empty directory, a link to a missing name), and a readable source "
+                     "holding a 0700 directory with a link out of the roots", len(answers) + 1,
+                     "one 403 for all: nothing of them looked at, nothing in them named")
+
+
+def test_what_a_hub_cache_the_caller_cannot_search_holds_is_not_told(fault_log) -> None:
+    """A repo id skipped the caller's check: with the hub cache in a 0700 directory, uid 65534 learnt which repos
+    and revisions it held (404 repo_not_cached, 404 revision_not_cached, or a 403 naming the snapshot and its
+    commit: a review). One 403 for all, naming nothing in it."""
+    from transformd.daemon.settings import Settings
+
+    from .support.daemon import DaemonThread
+    from .test_hub import MAIN, REPO_ID, add_snapshot
+
+    base = short_tempdir("tdhb-")
+    try:
+        allowed, private = _alices_checkpoint(base)
+        hub = allowed / "alice" / "hub"
+        add_snapshot(hub, REPO_ID, MAIN, write_sample_checkpoint(base / "work" / "m", layers=1, experts=1,
+                                                                  shards=1), ("main",))
+        settings = Settings(socket=base / "run" / "td.sock", cache_dir=base / "cache", allow_roots=[allowed],
+                            hub_cache=hub, allow_hub_cache=True, device="cpu", log_level="critical")
+        with DaemonThread(settings) as daemon:
+            os.chmod(daemon.socket_path.parent, 0o755)
+            os.chmod(daemon.socket_path, 0o666)
+            asked = [{"source": REPO_ID}, {"source": REPO_ID, "revision": "dev"}, {"source": "org/Absent"}]
+            answers = as_uid(daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints", body) for body in asked])
+            for status, body in answers:
+                assert status == 403 and body["error"]["code"] == "permission_denied", answers
+                assert str(hub) not in json.dumps(body) and MAIN not in json.dumps(body), answers
+            assert len({body["error"]["message"].replace(a["source"], "ID") for a, (_, body) in
+                        zip(asked, answers, strict=True)}) == 1, answers
+            with daemon.client(timeout=60) as http:  # root may
+                assert http.post("/v1/checkpoints", json={"source": REPO_ID}).status_code in (200, 202)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    fault_log.record(CATEGORY, "uid 65534 asks for repo ids in a hub cache inside uid 1000's 0700 directory (a "
+                     "cached repo, a missing revision, a missing repo)", len(answers), "one 403 for all, naming "
+                     "nothing in it")
 
 
 def test_a_cached_entry_is_served_only_to_callers_who_can_read_its_source(world: dict[str, Any], fault_log) -> None:

@@ -33,6 +33,15 @@ COPY_STEP = 64 * 1024 * 1024
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
+def dir_with_mode(path: Path, mode: int) -> None:
+    """Create the directory ``path`` with ``mode``, or give it ``mode`` when it is this user's (a directory of
+    another owner is left as it is; the daemon refuses to serve such a cache)."""
+    path.mkdir(mode=mode, exist_ok=True)
+    st = path.stat()
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
+
+
 def fsync_path(path: Path | str) -> None:
     """fsync a file or a directory by path."""
     fd = os.open(path, os.O_RDONLY)

@@ -49,6 +49,8 @@ On-disk layout (everything a person needs can be read with ``ls`` and ``cat``)
 
 Rules
 -----
+- Modes: ``entries/`` and ``staging/`` 0711 (others pass through to the paths the daemon gave them, and list
+  nothing), every other directory 0700: the stat cache names every source, the rest names keys.
 - Keys (:mod:`.keys`): blake3 over the recipe, the sorted list of (relative name, size, content
   id) of every non-hidden file under the source directory (recursively, following symlinks), and who
   could rewrite those files in place (:func:`.keys.source_writers`). Content ids are ``blake3:`` of the

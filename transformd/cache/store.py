@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._durable import (
+    dir_with_mode,
     free_bytes,
     fs_size_bytes,
     fsync_path,
@@ -215,8 +216,8 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                 self.trash_dir,
                 self.failures_dir,
                 self.root / "stat-cache",
-            ):
-                d.mkdir(exist_ok=True)
+            ):  # engines pass through entries/ and staging/ to the paths they were given, and list nothing here
+                dir_with_mode(d, 0o711 if d in (self.entries_dir, self.staging_dir) else 0o700)
             tag = self.root / "CACHEDIR.TAG"
             if not tag.exists():
                 tmp = temporary_beside(tag)

@@ -8,7 +8,6 @@ service's threads. See :mod:`transformd.daemon` for the endpoints and :mod:`.err
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -30,6 +29,7 @@ from ..platform import detect_platform
 from .docs import install_docs
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
+from .hub_sources import hub_source, remember_hub, with_hub
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
@@ -248,34 +248,6 @@ def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
     return real
 
 
-async def _hub_source(d: Daemon, source: str, revision: str | None) -> dict[str, Any]:
-    """``{"hub": {repo_id, revision, commit, snapshot}}`` when ``source`` is a repo id (looked up in a source
-    thread: 400 malformed, 403 hub cache not an allowed root, 404 not cached); ``{}`` for a path."""
-    if d.hub is None or not d.hub.wants(source, revision):
-        return {}
-    try:
-        found = await anyio.to_thread.run_sync(d.hub.resolve, source, revision, limiter=d.service.source_limiter())
-    except Exception as e:
-        raise error_for_exception(e) from e
-    return {"hub": found.as_dict()}
-
-
-def _remember_hub(d: Daemon, key: str, hub: dict[str, Any]) -> None:
-    """Remember the repo id ``key`` was asked for by, for its ``/files``."""
-    if hub:
-        if len(d.hub_origins) > 4096:
-            d.hub_origins.clear()
-        d.hub_origins[key] = hub
-
-
-def _with_hub(body: bytes | None, d: Daemon, key: str) -> bytes | None:
-    """A serialised ``/files`` body with the repo id its key was asked for by, if any."""
-    hub = d.hub_origins.get(key)
-    if not hub or body is None:
-        return body
-    return json.dumps({**json.loads(body), **hub}, separators=(",", ":")).encode()
-
-
 def _check_engine(report: dict[str, Any] | None, engine: str | None) -> None:
     """422 when ``engine`` could not load the checkpoint at any tensor-parallel size."""
     r = report.get(engine) if engine is not None and report is not None else None
@@ -322,9 +294,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         slot = d.source_slot(caller)  # held for the work on the source: a caller takes a few source threads at most
         target, reason = choose_target(body.target, body.engine, d.platform)
         async with slot:
-            hub = await _hub_source(d, body.source, body.revision)  # {} for a path; else the repo id's snapshot
+            hub = await hub_source(d, body.source, body.revision, caller)  # {} for a path; else its snapshot
         source = d.policy.check_syntax(hub["hub"]["snapshot"] if hub else body.source)
-        if not hub and (missing := await _thread(path_denied, caller, source)) is not None:
+        if (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:
             raise unreadable(caller, source, missing)  # (before anything of it is looked at: no 404, 422 or 507 said)
         if target is None:  # native MX: the engine loads the source itself
             async with slot:
@@ -343,7 +315,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         if missing is not None:
             raise unreadable(caller, source, missing)
         key = cache_key(ident, recipe)
-        _remember_hub(d, key, hub)
+        remember_hub(d, key, hub)
         job = service.job(key)
         if job is None or not job.active:
             invalid = service.known_invalid(key, ident.path)
@@ -379,7 +351,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             return None
         key = await service.keyed(job)
         d.grant(key, caller)
-        _remember_hub(d, key, hub)
+        remember_hub(d, key, hub)
         if job.state == "ready" and job.outcome == "hit":  # a copy of content already cached
             metrics.cache_hits.inc()
         else:
@@ -479,18 +451,19 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         "/v1/checkpoints/{key}/files",
         response_model=FilesResponse,
         summary="The mmap API: every shard with its absolute path and tensor table (absolute byte offsets)",
-        responses={202: {"description": "another process converts it: no files known yet"}, **_errors(400, 404, 409)},
+        responses={202: {"description": "converting, no shard known yet (ask again)"}, **_errors(400, 404, 409)},
         tags=["files"],
     )
     async def get_files(key: KeyParam, request: Request) -> Response:
         check_key(key)
         await authorize(request, key)
         job = service.job(key)
-        if job is not None and job.active:
-            return _json({**await _thread(job_files, entries, job), **d.hub_origins.get(key, {})})
+        if job is not None and job.active:  # (no shard known yet, before its plan: a 202 too, never an empty 200)
+            table = {**await _thread(job_files, entries, job), **d.hub_origins.get(key, {})}
+            return _json(table) if table["files"] else _json(table, 202, {"Retry-After": "1"})
         info = await _thread(entries.info, key, touch=True)
         if info is not None:
-            return Response(_with_hub(await _thread(entries.body, info), d, key), media_type="application/json")
+            return Response(with_hub(await _thread(entries.body, info), d, key), media_type="application/json")
         return await _not_ready(key, job, files=True)
 
     @app.get(

@@ -27,10 +27,11 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache.securefs import AccessFacts, Fact
+from ..cache.securefs import MAX_SOURCE_FILES, AccessFacts, Fact
 from .errors import ApiError
 
 #: ASGI scope key of the :class:`Caller` of a request.
@@ -116,33 +117,81 @@ def denied(caller: Caller, facts: AccessFacts, shown: Any = None) -> str | None:
     return None
 
 
-def path_denied(caller: Caller, path: str) -> str | None:
+def path_denied(caller: Caller, path: str, allowed: Callable[[str], bool] | None = None, *,
+                listed: bool = True) -> str | None:
     """Before anything of ``path`` is looked at for ``caller``: the right it lacks to reach it itself, or None.
 
     Every directory above it must let the caller search it, along the path as written and as resolved (a symbolic
-    link leads through other directories), and the source itself, a directory, must let it read and search it. A
-    missing component ends the walk: the caller could see that itself. Before this, what the daemon found with its
-    own rights answered a caller who could not look: 404, "is not a directory", "contains no files", and the size
-    of another user's private checkpoint in a 507 (an attack review)."""
+    link leads through other directories), and the source itself, a directory, must let it read and search it
+    (``listed``; else search it). With ``allowed`` (the policy's test of a real path), so must every directory in
+    the source that lies inside the allowed roots (names starting with ``.`` aside, as the conversion leaves them).
+    A missing component ends the walk: the caller could see that itself. Before this, what the daemon found with its
+    own rights answered a caller who could not look: 404, "is not a directory", "contains no files", the name of a
+    link out of the roots, and the size of another user's private checkpoint in a 507 (two attack reviews)."""
     if caller.uid == 0:
         return None
     for walked in dict.fromkeys((path, os.path.realpath(path))):
-        names = [name for name in walked.split(os.sep) if name]
-        current = os.sep
-        for depth in range(len(names) + 1):
+        missing = _way_denied(caller, walked, listed)
+        if missing is not None:
+            return missing
+    return None if allowed is None else _inside_denied(caller, os.path.realpath(path), allowed)
+
+
+def _way_denied(caller: Caller, walked: str, listed: bool = True) -> str | None:
+    names = [name for name in walked.split(os.sep) if name]
+    current = os.sep
+    for depth in range(len(names) + 1):
+        try:
+            st = os.stat(current)
+        except OSError:
+            return None  # missing (or not even the daemon may look): the request's own checks say so
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        bits = _bits((current, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)), caller)
+        if depth < len(names) or not listed:
+            if not bits & _X:
+                return "search permission on a directory above the source"
+            if depth == len(names):
+                return None
+            current = os.path.join(current, names[depth])
+        elif bits & (_R | _X) != (_R | _X):
+            return "read permission on a directory of the source"
+    return None
+
+
+def _inside_denied(caller: Caller, top: str, allowed: Callable[[str], bool]) -> str | None:
+    """A directory of the source at ``top`` that the caller may not read and search; only directories inside the
+    allowed roots are listed (one out of them is the conversion's own refusal, naming what the caller can see)."""
+    if not allowed(top):
+        return None
+    stack, seen, budget = [top], set(), MAX_SOURCE_FILES
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                paths = [entry.path for entry in entries if not entry.name.startswith(".")]
+        except OSError:
+            continue
+        for path in paths:
+            budget -= 1
+            if budget < 0:
+                return None  # (the conversion refuses a source this large)
             try:
-                st = os.stat(current)
+                st = os.stat(path)
             except OSError:
-                break  # missing (or not even the daemon may look): the request's own checks say so
-            if not stat.S_ISDIR(st.st_mode):
-                break
-            fact = (current, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode))
-            if depth < len(names):
-                if not _bits(fact, caller) & _X:
-                    return "search permission on a directory above the source"
-                current = os.path.join(current, names[depth])
-            elif _bits(fact, caller) & (_R | _X) != (_R | _X):
-                return "read permission on a directory of the source"
+                continue
+            if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            real = os.path.realpath(path)
+            if not allowed(real):
+                continue
+            missing = _way_denied(caller, real) if real != path else None
+            if missing is None and _bits((real, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)), caller) & (
+                    _R | _X) != (_R | _X):
+                missing = "read permission on a directory of the source"
+            if missing is not None:
+                return missing
+            stack.append(real)
     return None
 
 
