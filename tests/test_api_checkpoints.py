@@ -314,7 +314,7 @@ def test_files_of_an_entry_another_process_converts_are_waited_for_never_empty(s
     try:
         assert begun.wait(30)
         with TransformdClient(socket=daemon.socket_path) as td:
-            with pytest.raises(ConflictError, match="converting in another process"):
+            with pytest.raises(ConflictError, match="converting and its files are not known yet"):
                 td.files(key)
             waiter = threading.Thread(target=lambda: loaded.append(load_from_daemon(td, key, timeout=60)))
             waiter.start()
@@ -334,6 +334,27 @@ def test_files_of_an_entry_another_process_converts_are_waited_for_never_empty(s
     assert expected and tensors.keys() == expected.keys()
     assert all(torch.equal(tensors[n].reshape(-1).view(torch.uint8), expected[n].reshape(-1).view(torch.uint8))
                for n in expected)
+    daemon.stop()
+
+
+def test_files_of_a_job_that_knows_no_shard_yet_are_waited_for(start, models: Path) -> None:
+    """The same for the daemon's own job before its converter planned the shards (a converter without a plan):
+    its /files was a 200 with no files, and load_from_daemon raised at once (a review of the fix above)."""
+    from transformd.client import TransformdClient
+    from transformd.loader import load_from_daemon
+
+    from .support.fakes import CopyConverter
+
+    daemon = start(converter=CopyConverter(delay=0.3, steps=3))
+    with daemon.client() as http:
+        r = http.post("/v1/checkpoints", json={"source": str(models / "sample")})
+        assert r.status_code == 202, r.text
+        key = r.json()["key"]
+        files = http.get(f"/v1/checkpoints/{key}/files")
+        assert files.status_code == 202 and files.json()["files"] == [], files.text
+    with TransformdClient(socket=daemon.socket_path) as td:
+        tensors = load_from_daemon(td, key, timeout=60)
+        assert td.status(key).ready and len(tensors) > 10
     daemon.stop()
 
 

@@ -213,10 +213,11 @@ class TransformdClient:
                 request = self._http.build_request(method, path, json=json, timeout=timeout)
             response = self._http.send(request, stream=True)
             try:
-                body = bytearray()
+                chunks, size = [], 0
                 for chunk in response.iter_bytes():
-                    body += chunk
-                    if len(body) > MAX_ANSWER_BYTES:
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > MAX_ANSWER_BYTES:
                         raise ServerError.from_answer(
                             f"transformd at {self.where} answered {method} {path} with more than "
                             f"{MAX_ANSWER_BYTES >> 20} MiB: not read", status=response.status_code, code=None)
@@ -224,7 +225,7 @@ class TransformdClient:
                 response.close()
             headers = [(k, v) for k, v in response.headers.multi_items()
                        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
-            response = httpx.Response(response.status_code, headers=headers, content=bytes(body), request=request)
+            response = httpx.Response(response.status_code, headers=headers, content=b"".join(chunks), request=request)
         except httpx.TimeoutException as err:
             raise DaemonUnavailableError(f"transformd at {self.where} did not answer {method} {path} in time: "
                                          f"{err or type(err).__name__}") from err
@@ -505,8 +506,9 @@ class TransformdClient:
               timeout: float | None = None) -> list[ShardFile]:
         """``GET /v1/checkpoints/{key}/files``: every shard with its tensor table (absolute offsets).
 
-        While another process converts the entry the daemon knows none of its shards (202): ``wait`` polls until
-        it does (:class:`ResolveTimeoutError` after ``timeout``), else that is a :class:`ConflictError`.
+        While the daemon knows none of the entry's shards yet (202: another process converts it, or its conversion
+        has not planned it yet), ``wait`` polls until it does (:class:`ResolveTimeoutError` after ``timeout``), else
+        that is a :class:`ConflictError`.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -514,11 +516,11 @@ class TransformdClient:
             if response.status_code == 200:
                 return self._json(response, lambda data: [ShardFile.from_json(f) for f in data["files"]])
             if not wait:
-                raise ConflictError.from_answer(f"entry {key} is converting in another process: its files are not "
-                                                f"known until it is ready (files(key, wait=True) waits)",
+                raise ConflictError.from_answer(f"entry {key} is converting and its files are not known yet (in "
+                                                f"another process, or not planned yet): files(key, wait=True) waits",
                                                 status=202, code="converting")
             if deadline is not None and time.monotonic() >= deadline:
-                raise ResolveTimeoutError(f"entry {key} not ready after {timeout:g}s (converting in another process)")
+                raise ResolveTimeoutError(f"entry {key}: no files known after {timeout:g}s (still converting)")
             time.sleep(poll_interval)
 
     def file(

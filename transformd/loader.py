@@ -181,7 +181,8 @@ def load_from_daemon(
     (``GET .../files/{name}``, which moves it to the front of the conversion) and waited for, one
     shard at a time, so mapping the first shards overlaps converting the last. With ``names``,
     only the shards that hold those tensors are waited for. Without ``wait`` a shard that is not
-    ready raises :class:`ValueError`. ``timeout`` bounds the whole wait
+    ready raises :class:`ValueError` (an entry whose shards are not known yet: the client's
+    :class:`~transformd.errors.ConflictError`). ``timeout`` bounds the whole wait
     (:class:`~transformd.client.ResolveTimeoutError`).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
