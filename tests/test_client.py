@@ -129,6 +129,13 @@ def test_a_quoted_tilde_in_convert_is_the_home_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert source_path("~/models/x") == tmp_path / "models" / "x"
     assert source_path("./~/x") == Path("./~/x")
+    # and the command line's other paths (--out "~/x" made ./~/x: a review)
+    from transformd.cli import build_parser
+
+    args = build_parser().parse_args(["convert", "~/src", "--out", "~/out", "--cache-dir", "~/c"])
+    assert (args.out, args.cache_dir) == (tmp_path / "out", tmp_path / "c")
+    args = build_parser().parse_args(["serve", "--cache-dir", "~/c", "--token-file", "~/t"])
+    assert (args.cache_dir, args.token_file) == (tmp_path / "c", tmp_path / "t")
 
 
 def test_failed_conversion_carries_the_daemons_error(world, client):

@@ -324,8 +324,10 @@ def test_a_sample_stopped_part_way_leaves_nothing(tmp_path: Path, monkeypatch, e
         real_save(tensors, path)
 
     out = tmp_path / "s"
-    if existing:
+    if existing:  # (a prepared directory: its mode and inode are kept, a mount point cannot be replaced)
         out.mkdir()
+        os.chmod(out, 0o2775)
+        before = out.stat()
     monkeypatch.setattr(sample_module, "_save", stop_at_the_second)
     with pytest.raises(KeyboardInterrupt):
         write_sample_checkpoint(out, shards=2)
@@ -333,4 +335,6 @@ def test_a_sample_stopped_part_way_leaves_nothing(tmp_path: Path, monkeypatch, e
     assert not existing or os.listdir(out) == []
     monkeypatch.setattr(sample_module, "_save", real_save)
     assert write_sample_checkpoint(out, shards=2) == out and len(list(out.glob("*.safetensors"))) == 2
-    assert sorted(os.listdir(tmp_path)) == ["s"]
+    assert sorted(os.listdir(tmp_path)) == ["s"] and not [n for n in os.listdir(out) if n.startswith(".")]
+    if existing:
+        assert (out.stat().st_ino, stat.S_IMODE(out.stat().st_mode)) == (before.st_ino, 0o2775)

@@ -140,11 +140,17 @@ def write_sample_checkpoint(
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists and is not an empty directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # written beside it, then renamed into place: a sample stopped part-way (Ctrl-C, SIGTERM) leaves no directory
-    # holding some of its shards, which the next run would refuse as not empty (an attack review)
-    out = path.parent / f".{path.name}.sample-{os.getpid()}.{secrets.token_hex(4)}"
+    # written into a hidden directory, then moved into place: a sample stopped part-way (Ctrl-C, SIGTERM) leaves no
+    # directory holding some of its shards, which the next run would refuse as not empty (an attack review). Inside
+    # an existing (empty) ``path``, whose files are moved out of it: a mount point, or a directory of another owner
+    # or mode, stays what it is; else beside it, renamed to ``path``.
+    existing = path.is_dir()
+    if not existing:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"sample-{os.getpid()}.{secrets.token_hex(4)}"
+    out = path / f".{tag}" if existing else path.parent / f".{path.name}.{tag}"
     out.mkdir()
+    moved: list[Path] = []
     try:
         dims = _Dims(hidden, moe_intermediate, head_dim, kv_heads, vocab, experts)
         make = _Maker(seed, scale_suffix)
@@ -174,8 +180,16 @@ def write_sample_checkpoint(
         _write_json(out / "generation_config.json", _generation_config())
         _write_json(out / "tokenizer_config.json", _tokenizer_config())
         _write_json(out / "tokenizer.json", _tokenizer(vocab))
-        os.rename(out, path)  # (over an empty directory too)
+        if existing:
+            for f in sorted(out.iterdir()):
+                moved.append(path / f.name)
+                os.rename(f, moved[-1])
+            out.rmdir()
+        else:
+            os.rename(out, path)
     except BaseException:
+        for f in moved:
+            f.unlink(missing_ok=True)
         shutil.rmtree(out, ignore_errors=True)
         raise
     return path

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from .. import errors
@@ -69,6 +71,12 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         help="who loads the output: picks the target for auto, and refuses a checkpoint that engine could not load "
              "at any tensor-parallel size (without it: a warning); raw = transformd.loader or your own kernels",
     )
+
+
+def user_path(text: str) -> Path:
+    """A path as a shell gives it (argparse's type): a leading ``~`` is the home directory (exec-form arguments,
+    YAML and unit files pass it quoted; it named ``./~``)."""
+    return Path(os.path.expanduser(text))
 
 
 def positive_float(text: str) -> float:

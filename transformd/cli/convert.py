@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ..formats import ScaleMode
-from .common import EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, non_negative_float, positive_int, shown, visible
+from .common import (EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, non_negative_float, positive_int, shown,
+                     user_path, visible)
 
 __all__ = ["add_commands"]
 
@@ -27,10 +28,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                               "org/Model in the local hub cache (HF_HUB_CACHE, HF_HOME; a path that exists is a path)")
     convert.add_argument("--revision", metavar="REV",
                          help="with a repo id: branch, tag or full commit hash in the hub cache (default main)")
-    convert.add_argument("--out", metavar="DIR", type=Path,
+    convert.add_argument("--out", metavar="DIR", type=user_path,
                          help="output directory (must be empty or absent); without it the conversion goes into "
                               "the cache and a second call for the same checkpoint returns at once")
-    convert.add_argument("--cache-dir", metavar="DIR", type=Path,
+    convert.add_argument("--cache-dir", metavar="DIR", type=user_path,
                          help="cache root (default: $TRANSFORMD_CACHE_DIR, else $XDG_CACHE_HOME/transformd, "
                               "else ~/.cache/transformd)")
     add_target_arguments(convert)
@@ -65,7 +66,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="write a small MXFP8 MoE sample checkpoint",
         description="Write a small ModelOpt-layout MXFP8 MoE checkpoint into DIR; print DIR last.",
     )
-    sample.add_argument("dir", metavar="DIR", type=Path, help="where to write it (created; must be empty or absent)")
+    sample.add_argument("dir", metavar="DIR", type=user_path,
+                        help="where to write it (created; must be empty or absent)")
     sample.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default 2)")
     sample.add_argument("--experts", type=positive_int, default=4, help="MoE experts per layer (default 4)")
     sample.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
@@ -83,9 +85,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                     "which tensor-parallel sizes, and why not at others (exit 2 when none loads it). With two: "
                     "compare the MXFP8 checkpoint SRC with its conversion OUT; print the error table, then OUT.",
     )
-    inspect.add_argument("src", metavar="SRC", type=Path,
+    inspect.add_argument("src", metavar="SRC", type=user_path,
                          help="a block-FP8 checkpoint (alone), or the MXFP8 checkpoint directory that was converted")
-    inspect.add_argument("out", metavar="OUT", type=Path, nargs="?",
+    inspect.add_argument("out", metavar="OUT", type=user_path, nargs="?",
                          help="its conversion (a 'convert --out' directory or a cache entry's checkpoint/)")
     inspect.set_defaults(handler=_run_inspect)
 
@@ -98,7 +100,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                     "again from the cache; print the converted directory last. Everything stays in DIR "
                     "(sample, cache, daemon.log); it is printed first.",
     )
-    demo.add_argument("--dir", metavar="DIR", type=Path,
+    demo.add_argument("--dir", metavar="DIR", type=user_path,
                       help="working directory for the sample, the daemon's socket and log, and its cache (default: "
                            "a new directory under $TMPDIR or /tmp, kept and printed so you can look at it; remove "
                            "it when done)")

@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
-from .common import EXIT_BAD_INPUT, visible
+from .common import EXIT_BAD_INPUT, user_path, visible
 
 
 def _settings_from_args(args: argparse.Namespace) -> Any:
@@ -90,24 +89,25 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--socket",
         metavar="PATH",
-        type=Path,
+        type=user_path,
         help="unix socket (default: $TRANSFORMD_SOCKET, $XDG_RUNTIME_DIR/transformd.sock, "
         "/run/transformd/transformd.sock); with --port, only when given",
     )
     p.add_argument("--host", metavar="H", help="TCP address to bind (default 127.0.0.1; needs --port)")
     p.add_argument("--port", metavar="P", type=int, help="TCP port (0: any free port); requires --token-file")
-    p.add_argument("--token-file", metavar="F", type=Path, help="file holding the bearer token of TCP clients")
-    p.add_argument("--cache-dir", metavar="DIR", type=Path, help="cache root (default: $TRANSFORMD_CACHE_DIR, ...)")
+    p.add_argument("--token-file", metavar="F", type=user_path, help="file holding the bearer token of TCP clients")
+    p.add_argument("--cache-dir", metavar="DIR", type=user_path,
+                   help="cache root (default: $TRANSFORMD_CACHE_DIR, ...)")
     p.add_argument("--cache-budget", metavar="SIZE", help="cache byte budget: bytes, 500G, 1.5TiB, 80%%")
     p.add_argument(
         "--allow-root",
         metavar="DIR",
-        type=Path,
+        type=user_path,
         action="append",
         help="accept sources under DIR (repeatable; symlinks are resolved before the check)",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where conversions run (default auto)")
-    p.add_argument("--hub-cache", metavar="DIR", type=Path,
+    p.add_argument("--hub-cache", metavar="DIR", type=user_path,
                    help="Hugging Face hub cache where repo ids (org/Model) are looked up (default: $HF_HUB_CACHE, "
                    "else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
     p.add_argument("--allow-hub-cache", action="store_true", default=None,
