@@ -185,10 +185,7 @@ def _inside_denied(caller: Caller, top: str, allowed: Callable[[str], bool]) -> 
             real = os.path.realpath(path)
             if not allowed(real):
                 continue
-            missing = _way_denied(caller, real) if real != path else None
-            if missing is None and _bits((real, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)), caller) & (
-                    _R | _X) != (_R | _X):
-                missing = "read permission on a directory of the source"
+            missing = _way_denied(caller, real)  # (for a link, the way to where it leads too)
             if missing is not None:
                 return missing
             stack.append(real)
