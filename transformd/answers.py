@@ -18,7 +18,6 @@ __all__ = ["CheckpointStatus", "LeaseInfo", "ShardFile", "TensorEntry"]
 _HEX_DIGITS = "0123456789abcdef"
 
 
-
 def _absolute(path: Any) -> Path | None:
     """A path of the daemon's answer: absolute, or None; a relative one would name another directory in the caller's
     working directory, silently (a ValueError, which the client turns into its ServerError)."""
