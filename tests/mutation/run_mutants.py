@@ -53,6 +53,7 @@ NUMPY_TESTS = ["tests/test_numpy_exact.py"]
 SWAP_TESTS = ["tests/test_trust_callers.py", "-k", "swapped"]
 NAMESPACE_TESTS = ["tests/test_cache_keys.py", "-k", "namespace"]
 TRICKLE_TESTS = ["tests/test_trust_freezes.py", "-k", "trickling"]
+WALK_TESTS = ["tests/test_trust_callers.py", "-k", "cannot_search"]
 
 
 @dataclass(frozen=True)
@@ -185,13 +186,13 @@ MUTANTS: list[Mutant] = [
     m("path-walk-ancestors-unchecked", "transformd/daemon/peers.py",
       "            if not bits & _X:\n                return \"search permission on a directory above",
       "            if False:\n                return \"search permission on a directory above",
-      ["tests/test_trust_callers.py", "-k", "cannot_search"]),
+      WALK_TESTS),
     m("path-walk-not-asked", "transformd/daemon/app.py",
       "if (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:",
-      "if (missing := None) is not None:", ["tests/test_trust_callers.py", "-k", "cannot_search"]),
+      "if (missing := None) is not None:", WALK_TESTS),
     m("path-walk-inside-unchecked", "transformd/daemon/peers.py",
       "return None if allowed is None else _inside_denied(caller, os.path.realpath(path), allowed)", "return None",
-      ["tests/test_trust_callers.py", "-k", "cannot_search"]),
+      WALK_TESTS),
     m("hub-cache-unchecked", "transformd/daemon/hub_sources.py",
       "if (missing := path_denied(caller, str(hub.cache_dir), listed=False)) is not None:",
       "if (missing := None) is not None:", ["tests/test_trust_callers.py", "-k", "hub_cache"]),
