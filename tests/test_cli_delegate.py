@@ -248,3 +248,41 @@ def test_the_engine_is_checked_here_before_the_daemon_is_asked(
     assert code == 0 and "transformd: the daemon converted " in stderr[-1] and _conversions(daemon) == 1, stderr
     assert "transformd: target ocp: target ocp asked for" in stderr, stderr
     assert_converted(src, Path(stdout[-1]), "ocp", "exact")
+
+
+def test_another_user_converts_into_the_daemons_cache_through_the_daemon(tmp_path: Path, daemons, capsys,
+                                                                         monkeypatch) -> None:
+    """The cache's directories are not listable by other users (0711, 0700: test_cache_store.py checks them as
+    uid 65534), so `convert --cache-dir` of a user who is not the daemon's reads nothing of it but an entry by
+    key: the daemon keys and converts, the process prints its entry; with no daemon to ask, one line says so (it
+    was a PermissionError on the cache). Here the CLI (the test's thread) sees the cache as such a user does; the
+    daemon (its own threads) as its owner."""
+    import threading
+
+    src, root = _source(tmp_path / "src"), tmp_path / "cache"
+    daemon = daemons.start(cache_dir=root, allow_roots=[tmp_path])
+    main, listdir, access = threading.main_thread(), os.listdir, os.access
+
+    def theirs(path) -> bool:  # a directory of the cache but an entry's own, from the test's thread
+        p = Path(os.fspath(path)).resolve()
+        return threading.current_thread() is main and (p == root or p.parent == root)
+
+    def listed(path="."):
+        if theirs(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", listed)
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: not theirs(path) and access(path, mode, **kw))
+    monkeypatch.setenv("TRANSFORMD_SOCKET", str(daemon.socket_path))
+    code, out, err = _convert(capsys, src, "--cache-dir", root)
+    assert code == 0 and any(line.startswith("transformd: the daemon converted ") for line in err), err
+    assert Path(out[-1]).parent.parent == root / "entries" and not _here(err), (out, err)
+    assert _convert(capsys, src, "--cache-dir", root)[:2] == (0, out)
+    monkeypatch.setenv("TRANSFORMD_SOCKET", str(tmp_path / "none.sock"))
+    code, _, err = _convert(capsys, src, "--cache-dir", root)
+    assert code == 1 and err[-1] == (f"transformd: error: cannot convert into {root}: this user may not write it (its "
+                                     "daemon converts into it: is 'transformd serve' running for it?; or give a "
+                                     "--cache-dir of your own)"), err
+    assert _conversions(daemon) == 1
+    assert_converted(src, Path(out[-1]), "ocp", "exact")

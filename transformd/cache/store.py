@@ -167,7 +167,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         self.stat_cache = StatCache(self.root / "stat-cache")
         #: real paths every source file must resolve inside (checked on the open descriptors); None: no check
         self.allowed_roots: tuple[str, ...] | None = None
-        if cleanup:
+        if cleanup and os.access(self.staging_dir, os.W_OK):  # (another user's cache: nothing of it to clean here)
             self.cleanup()
 
     # ------------------------------------------------------------------ layout

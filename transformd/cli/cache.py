@@ -7,6 +7,7 @@ sets ``func`` to a handler that takes the parsed namespace and returns an exit s
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -52,6 +53,13 @@ def _open(args: argparse.Namespace) -> Cache:
     from ..cache.store import Cache, existing_root  # here: the parser is built for every command
 
     root = existing_root(args.cache_dir)
+    changes = args.cache_command in ("gc", "rm")
+    if not os.access(root / "entries", os.R_OK | os.X_OK | (os.W_OK if changes else 0)):  # (0711: listed by no other)
+        from ..errors import CacheError
+
+        raise CacheError(f"this user may not {'change' if changes else 'list'} the cache {root} (uid "
+                         f"{(root / 'entries').stat().st_uid}'s): run 'transformd cache {args.cache_command}' as that "
+                         "user, or as root")
     return Cache(root, budget_bytes=getattr(args, "budget", None) if args.cache_command == "gc" else None)
 
 

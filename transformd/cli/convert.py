@@ -216,7 +216,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
-    from ..cache import Cache, PendingIdentity, Recipe, TransformdConverter, cache_key
+    from ..cache import Cache, CacheError, PendingIdentity, Recipe, TransformdConverter, cache_key
     from ..checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
     from ..progress import ConvertProgress
 
@@ -227,7 +227,10 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     recipe = Recipe(target=target, scale_mode=args.scale_mode, select=args.select)
     # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
     # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
-    identity = cache.identity_unless_alongside(args.src)
+    from .delegate import may_write
+
+    ours = may_write(cache)  # (another user's cache, a daemon's, is read by key only: its daemon keys and converts)
+    identity = cache.identity_unless_alongside(args.src) if ours else None
     known = None if isinstance(identity, PendingIdentity) else identity
     cached = None if known is None else cache.get(cache_key(known, recipe))
     if args.engine is not None:  # refuse before converting (headers only); the cache checks everything else
@@ -240,6 +243,9 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         from .delegate import convert_through_daemon
 
         entry = convert_through_daemon(cache, args.src, recipe, known=known, progress_every=args.progress_every)
+    if entry is None and not ours:
+        raise CacheError(f"cannot convert into {cache.root}: this user may not write it (its daemon converts "
+                         "into it: is 'transformd serve' running for it?; or give a --cache-dir of your own)")
     if entry is None:
         bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
         # a source new to the cache is hashed beside its conversion, which reads it ahead itself (cache.alongside)

@@ -71,7 +71,12 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
             resolve_with_progress(client, os.fspath(src), reporter, target=recipe.target,
                                   scale_mode=recipe.scale_mode, select=recipe.select, poll_interval=POLL_INTERVAL_S)
             done = True
-        entry = cache.get(cache_key(known, recipe)) if known is not None else cache.lookup(src, recipe)
+        if known is not None:
+            entry = cache.get(cache_key(known, recipe))
+        elif may_write(cache):
+            entry = cache.lookup(src, recipe)
+        else:  # another user's cache, not listed here: the entry of the key the daemon answered this caller with
+            entry = cache.get(client.last_key) if client.last_key else None
         # converted since it was asked (for this request, or for another at the same time), or cached before
         outcome = None if entry is None else "daemon" if entry.manifest.created_at >= asked else "hit"
     except KeyboardInterrupt:
@@ -87,6 +92,17 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
                                 "process reads them (another mount namespace?)")
     entry.outcome = outcome
     return entry
+
+
+def may_write(cache: Cache) -> bool:
+    """Whether this user may write ``cache``. Another user's (a daemon's, whose directories it may not list) is read
+    by key only; one on a read-only file system is still this user's: the cache's own errors say what it cannot do."""
+    if os.access(cache.staging_dir, os.W_OK):
+        return True
+    try:
+        return bool(os.statvfs(cache.root).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _same_directory(theirs: object, ours: Path) -> bool:
