@@ -174,13 +174,15 @@ def test_plugs_into_the_transformd_parser(capsys, filled):
     assert all(e.key in out for e in entries)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give entries/ another owner")
 def test_a_user_who_may_not_list_the_cache_is_told_so_in_one_line(capsys, filled, monkeypatch):
     """The cache's entries/ is 0711: another user's `cache ls` was a PermissionError naming entries/; it says whose
     the cache is and what to do (as uid 65534 the same: checked by hand with a setuid child)."""
     cache, _, _ = filled
+    os.chown(cache.entries_dir, 4242, -1)  # (its owner's own refusals, a read-only disk, the cache reports itself)
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: False)
     for command, verb in (("ls", "list"), ("verify", "list"), ("gc", "change")):
         code, out, err = run(capsys, "cache", command, "--cache-dir", str(cache.root))
         assert code == 1 and out == "" and err == (
-            f"transformd: error: this user may not {verb} the cache {cache.root} (uid {os.geteuid()}'s): run "
+            f"transformd: error: this user may not {verb} the cache {cache.root} (uid 4242's): run "
             f"'transformd cache {command}' as that user, or as root\n"), err

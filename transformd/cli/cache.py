@@ -53,13 +53,13 @@ def _open(args: argparse.Namespace) -> Cache:
     from ..cache.store import Cache, existing_root  # here: the parser is built for every command
 
     root = existing_root(args.cache_dir)
-    changes = args.cache_command in ("gc", "rm")
-    if not os.access(root / "entries", os.R_OK | os.X_OK | (os.W_OK if changes else 0)):  # (0711: listed by no other)
+    changes, owner = args.cache_command in ("gc", "rm"), (root / "entries").stat().st_uid
+    # (entries/ is 0711: no other user lists it; the owner's own failures, a read-only disk, the cache says itself)
+    if owner != os.geteuid() and not os.access(root / "entries", os.R_OK | os.X_OK | (os.W_OK if changes else 0)):
         from ..errors import CacheError
 
-        raise CacheError(f"this user may not {'change' if changes else 'list'} the cache {root} (uid "
-                         f"{(root / 'entries').stat().st_uid}'s): run 'transformd cache {args.cache_command}' as that "
-                         "user, or as root")
+        raise CacheError(f"this user may not {'change' if changes else 'list'} the cache {root} (uid {owner}'s): run "
+                         f"'transformd cache {args.cache_command}' as that user, or as root")
     return Cache(root, budget_bytes=getattr(args, "budget", None) if args.cache_command == "gc" else None)
 
 
