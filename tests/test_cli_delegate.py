@@ -250,6 +250,7 @@ def test_the_engine_is_checked_here_before_the_daemon_is_asked(
     assert_converted(src, Path(stdout[-1]), "ocp", "exact")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the cache another owner")
 def test_another_user_converts_into_the_daemons_cache_through_the_daemon(tmp_path: Path, daemons, capsys,
                                                                          monkeypatch) -> None:
     """The cache's directories are not listable by other users (0711, 0700: test_cache_store.py checks them as
@@ -259,8 +260,9 @@ def test_another_user_converts_into_the_daemons_cache_through_the_daemon(tmp_pat
     daemon (its own threads) as its owner."""
     import threading
 
-    src, root = _source(tmp_path / "src"), tmp_path / "cache"
-    daemon = daemons.start(cache_dir=root, allow_roots=[tmp_path])
+    src, root = _source(tmp_path / "models" / "src"), tmp_path / "cache"
+    daemon = daemons.start(cache_dir=root, allow_roots=[tmp_path / "models"])
+    os.chown(root / "staging", 4242, -1)  # (whose the cache is: its staging directory's owner)
     main, listdir, access = threading.main_thread(), os.listdir, os.access
 
     def theirs(path) -> bool:  # a directory of the cache but an entry's own, from the test's thread
@@ -279,10 +281,15 @@ def test_another_user_converts_into_the_daemons_cache_through_the_daemon(tmp_pat
     assert code == 0 and any(line.startswith("transformd: the daemon converted ") for line in err), err
     assert Path(out[-1]).parent.parent == root / "entries" and not _here(err), (out, err)
     assert _convert(capsys, src, "--cache-dir", root)[:2] == (0, out)
+    outside = _source(tmp_path / "elsewhere")  # the daemon refuses it: one line, not "converting in this process"
+    code, _, err = _convert(capsys, outside, "--cache-dir", root)
+    assert code == 1 and len(err) == 1 and "outside the allowed roots" in err[0], err
+    assert err[0].endswith("; this user may not write the cache to convert it itself"), err
     monkeypatch.setenv("TRANSFORMD_SOCKET", str(tmp_path / "none.sock"))
-    code, _, err = _convert(capsys, src, "--cache-dir", root)
-    assert code == 1 and err[-1] == (f"transformd: error: cannot convert into {root}: this user may not write it (its "
-                                     "daemon converts into it: is 'transformd serve' running for it?; or give a "
-                                     "--cache-dir of your own)"), err
+    for flags, asked in (((), "no daemon serving it answers here"), (("--no-daemon",), "--no-daemon was given")):
+        code, _, err = _convert(capsys, src, "--cache-dir", root, *flags)
+        assert code == 1 and err == [f"transformd: error: cannot convert into {root}: only its owner (uid 4242, its "
+                                     f"daemon) writes that cache, and {asked}; give a --cache-dir of your own "
+                                     "otherwise"], err
     assert _conversions(daemon) == 1
     assert_converted(src, Path(out[-1]), "ocp", "exact")

@@ -421,8 +421,8 @@ def test_the_cache_is_never_writable_by_others(tmp_path: Path, fault_log) -> Non
     os.chmod(mended, 0o777)  # a volume mounted world-writable, the daemon's own
     tried = 0
     try:
-        for root in (cache, mended):
-            old = os.umask(0)
+        for root, umask in ((cache, 0), (mended, 0), (tmp_path / "umask077", 0o077)):
+            old = os.umask(umask)
             try:
                 daemon = DaemonProcess(run / "td.sock", root, [models]).start()
             finally:
@@ -436,6 +436,10 @@ def test_the_cache_is_never_writable_by_others(tmp_path: Path, fault_log) -> Non
                 daemon.stop()
             writable = [p for p in [root, *root.rglob("*")] if not p.is_symlink() and p.lstat().st_mode & 0o022]
             assert writable == [], [(str(p), oct(p.lstat().st_mode)) for p in writable]
+            # and every entry readable by the engines of other users, whatever the umask (077 made them 0700/0600)
+            closed = [p for p in [root, root / "entries", *(root / "entries").rglob("*")]
+                      if not p.lstat().st_mode & (0o001 if p.is_dir() else 0o004)]
+            assert closed == [], [(str(p), oct(p.lstat().st_mode)) for p in closed]
             tried += 1
         if os.geteuid() == 0:  # a sub-directory another user owns (he made it first): refused, not used
             os.chown(cache / "entries", 65534, 65534)
@@ -455,5 +459,6 @@ def test_the_cache_is_never_writable_by_others(tmp_path: Path, fault_log) -> Non
     finally:
         shutil.rmtree(run, ignore_errors=True)
     fault_log.record(CATEGORY, "the daemon started under umask 000 (a new cache, and its own cache dir mounted "
-                     "0777); a cache sub-directory, or the cache root, of another owner", tried,
-                     "no directory or file group/world-writable (mended); another owner's: refused at start, exit 1")
+                     "0777) and 077; a cache sub-directory, or the cache root, of another owner", tried,
+                     "no directory or file group/world-writable (mended), every entry readable by others; another "
+                     "owner's: refused at start, exit 1")

@@ -232,7 +232,9 @@ def test_with_no_worker_free_the_source_is_hashed_first_and_answered_at_once(sta
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 def test_a_caller_who_cannot_read_the_source_is_refused_before_anything_is_read(daemons: Daemons, monkeypatch):
-    """The permission check of the read-once path: from the opened tree, before a job or a hash exists."""
+    """The permission check of the read-once path: from the opened tree, before a job or a hash exists. The
+    directories are open to the caller (the walk of the way to the source, before, lets it through): its files
+    are not."""
     from .support.callers import NOBODY, as_uid
     from .support.daemon import short_tempdir
 
@@ -245,7 +247,7 @@ def test_a_caller_who_cannot_read_the_source_is_refused_before_anything_is_read(
         src = _old(write_sample_checkpoint(home / "m", layers=1, experts=2))
         for p in [home, *home.rglob("*")]:
             os.chown(p, 1000, 1000)
-        os.chmod(home, 0o700)
+            os.chmod(p, 0o755 if p.is_dir() else 0o600)
         gate = _Gate(monkeypatch)
         daemon = daemons.start(cache_dir=base / "cache", allow_roots=[base / "models"], prefix="tdal-",
                                log_level="critical")
@@ -254,6 +256,7 @@ def test_a_caller_who_cannot_read_the_source_is_refused_before_anything_is_read(
         os.chmod(daemon.socket_path, 0o666)
         (status, body), = as_uid(daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints", {"source": str(src)})])
         assert status == 403 and body["error"]["code"] == "permission_denied", (status, body)
+        assert "read permission on a file of the source" in body["error"]["message"], body
         assert not gate.hashed and not daemon.daemon.service.active_jobs(), "nothing read or started for it"
         assert not list((base / "cache" / "staging").iterdir())
     finally:

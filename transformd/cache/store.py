@@ -167,7 +167,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         self.stat_cache = StatCache(self.root / "stat-cache")
         #: real paths every source file must resolve inside (checked on the open descriptors); None: no check
         self.allowed_roots: tuple[str, ...] | None = None
-        if cleanup and os.access(self.staging_dir, os.W_OK):  # (another user's cache: nothing of it to clean here)
+        if cleanup and self.staging_dir.stat().st_uid == os.geteuid():  # (another user's: nothing of it cleaned here)
             self.cleanup()
 
     # ------------------------------------------------------------------ layout
@@ -533,6 +533,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
             self._reserve(key, estimate, str(src), writer)
             self._hook("reserved")
             stage.mkdir()
+            os.chmod(stage, 0o755)  # (the entry's own directory, whatever the umask: engines of other users enter it)
             out = stage / CHECKPOINT_DIR
             t = time.monotonic()
             # The converter reads the checked descriptors only (a view of the tree), never the source by name:

@@ -242,10 +242,13 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     if entry is None and not args.no_daemon:
         from .delegate import convert_through_daemon
 
-        entry = convert_through_daemon(cache, args.src, recipe, known=known, progress_every=args.progress_every)
+        entry = convert_through_daemon(cache, args.src, recipe, known=known, progress_every=args.progress_every,
+                                       here=ours)
     if entry is None and not ours:
-        raise CacheError(f"cannot convert into {cache.root}: this user may not write it (its daemon converts "
-                         "into it: is 'transformd serve' running for it?; or give a --cache-dir of your own)")
+        asked = "--no-daemon was given" if args.no_daemon else "no daemon serving it answers here"
+        owner = cache.staging_dir.stat().st_uid
+        raise CacheError(f"cannot convert into {cache.root}: only its owner (uid {owner}, its daemon) writes that "
+                         f"cache, and {asked}; give a --cache-dir of your own otherwise")
     if entry is None:
         bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
         # a source new to the cache is hashed beside its conversion, which reads it ahead itself (cache.alongside)

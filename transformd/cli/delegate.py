@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from .._version import __version__
-from ..cache import Cache, Entry, Recipe, SourceIdentity, cache_key
+from ..cache import Cache, CacheError, Entry, Recipe, SourceIdentity, cache_key
 from ..client import default_socket_path
 from .common import shown
 
@@ -44,11 +44,12 @@ class _NotHere(Exception):
 
 
 def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Recipe, *,
-                           known: SourceIdentity | None, progress_every: float) -> Entry | None:
+                           known: SourceIdentity | None, progress_every: float, here: bool = True) -> Entry | None:
     """The entry of ``src`` with ``recipe`` in ``cache``, converted by the daemon that serves ``cache``; None when
     there is no such daemon or it did not convert it (then the caller converts; a line on standard error says
     why, unless no daemon serves this cache). ``known``: this process's identity of ``src``, if it has one.
-    ``entry.outcome`` is ``daemon`` (``hit`` when the daemon had it already)."""
+    ``entry.outcome`` is ``daemon`` (``hit`` when the daemon had it already). Not ``here`` (this process may not
+    write ``cache``), a daemon that did not convert it is a :class:`CacheError` saying why."""
     sock = default_socket_path()
     if not sock.exists():  # no daemon: not even httpx is imported
         return None
@@ -84,23 +85,22 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
             print(f"transformd: the conversion goes on in the daemon at {client.where}", file=sys.stderr)
         raise
     except _NotHere as why:
-        return _converting_here(f"the daemon at {client.where} {why}")
+        return _converting_here(f"the daemon at {client.where} {why}", here)
     except (TransformdError, OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # its answers too
-        return _converting_here(f"the daemon at {client.where} did not convert it: {err}")
+        return _converting_here(f"the daemon at {client.where} did not convert it: {err}", here)
     if entry is None:
         return _converting_here(f"the daemon at {client.where} converted files that are not {src} as this "
-                                "process reads them (another mount namespace?)")
+                                "process reads them (another mount namespace?)", here)
     entry.outcome = outcome
     return entry
 
 
 def may_write(cache: Cache) -> bool:
-    """Whether this user may write ``cache``. Another user's (a daemon's, whose directories it may not list) is read
-    by key only; one on a read-only file system is still this user's: the cache's own errors say what it cannot do."""
-    if os.access(cache.staging_dir, os.W_OK):
-        return True
+    """Whether this process writes ``cache`` as its owner. Another user's cache (a daemon's, whose directories it
+    may not list) is read by key only, also by root (entries root made there its daemon could never evict) and on a
+    read-only mount; the owner's own cache on a read-only disk is the owner's still (the cache says what fails)."""
     try:
-        return bool(os.statvfs(cache.root).f_flag & os.ST_RDONLY)
+        return os.stat(cache.staging_dir).st_uid == os.geteuid()
     except OSError:
         return False
 
@@ -114,6 +114,8 @@ def _same_directory(theirs: object, ours: Path) -> bool:
         return False
 
 
-def _converting_here(why: str) -> None:
+def _converting_here(why: str, here: bool = True) -> None:
+    if not here:
+        raise CacheError(f"{why}; this user may not write the cache to convert it itself")
     print(shown(f"transformd: {why}; converting in this process"), file=sys.stderr, flush=True)  # its words too
     return None

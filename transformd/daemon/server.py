@@ -262,7 +262,7 @@ def serve(settings: Settings, *, converter: Any = None, cache: Any = None, strea
 
     stream = stream or sys.stderr
     _raise_open_files_limit()
-    os.umask(os.umask(0o022) | 0o022)  # what the daemon creates in the cache is never group- or world-writable
+    os.umask(0o022)  # what it creates in the cache: never group- or world-writable; readable (engines of other users)
     app = create_app(settings, converter=converter, cache=cache)
     _check_cache_not_writable_by_others(app.state.daemon.cache.root)
     listeners = open_listeners(settings)
