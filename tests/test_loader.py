@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import os
@@ -364,3 +365,24 @@ def test_a_fifo_named_like_a_shard_is_refused_not_waited_on(tmp_path: Path) -> N
     with pytest.raises(CheckpointError, match="not a regular file") as info:
         load_tensors(src)
     assert str(shard) in str(info.value)
+
+
+def test_a_shard_published_while_it_was_waited_for_is_mapped_from_its_final_path(converted, tmp_path):
+    """load_from_daemon waits for every shard, then maps them: a shard the daemon served from staging had been
+    renamed into the entry by then, and every load of a converting entry failed, "cannot map: No such file" (a
+    review). Its final path is mapped instead."""
+    from transformd.client import ShardFile
+
+    files = sorted(converted["fnuz"].glob("*.safetensors"))
+    table = {f["name"]: f for f in _table(files)["files"]}
+
+    class Converting:  # the daemon's answers for an entry in conversion: the shards in staging, since published
+        def files(self, key, **kw):
+            return [ShardFile(n, None, None, None, False, {}, Path(t["path"])) for n, t in table.items()]
+
+        def file(self, key, name, **kw):
+            shard = ShardFile.from_json(table[name])
+            return dataclasses.replace(shard, path=tmp_path / "staging" / name, final_path=shard.path)
+
+    loaded = load_from_daemon(Converting(), "0" * 32, timeout=5)
+    _assert_same_as_safe_open(files, loaded)
