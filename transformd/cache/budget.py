@@ -363,6 +363,16 @@ class BudgetMixin:
                     report.quarantine_removed += 1
         return report
 
+    def written_here(self) -> bool:
+        """Whether this process writes the cache as its owner (its staging directory's). Another user's cache (a
+        daemon's, whose directories others may not list) is read by key only, also by root (entries root made there
+        its daemon could never evict) and through a read-only mount; the owner's own on a read-only disk is still
+        the owner's (the cache's errors say what fails). Cleaned only when written here."""
+        try:
+            return self.staging_dir.stat().st_uid == os.geteuid()
+        except OSError:
+            return False
+
     def cleanup(self, *, _held_key: str | None = None) -> CleanupReport:
         """Remove what dead processes left: staging directories, lock files, trash, temporary files.
 

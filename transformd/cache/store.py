@@ -167,7 +167,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         self.stat_cache = StatCache(self.root / "stat-cache")
         #: real paths every source file must resolve inside (checked on the open descriptors); None: no check
         self.allowed_roots: tuple[str, ...] | None = None
-        if cleanup and self.staging_dir.stat().st_uid == os.geteuid():  # (another user's: nothing of it cleaned here)
+        if cleanup and self.written_here():
             self.cleanup()
 
     # ------------------------------------------------------------------ layout

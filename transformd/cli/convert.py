@@ -227,9 +227,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     recipe = Recipe(target=target, scale_mode=args.scale_mode, select=args.select)
     # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
     # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
-    from .delegate import may_write
-
-    ours = may_write(cache)  # (another user's cache, a daemon's, is read by key only: its daemon keys and converts)
+    ours = cache.written_here()  # (another user's cache, a daemon's, is read by key only: its daemon keys, converts)
     identity = cache.identity_unless_alongside(args.src) if ours else None
     known = None if isinstance(identity, PendingIdentity) else identity
     cached = None if known is None else cache.get(cache_key(known, recipe))

@@ -48,8 +48,9 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
     """The entry of ``src`` with ``recipe`` in ``cache``, converted by the daemon that serves ``cache``; None when
     there is no such daemon or it did not convert it (then the caller converts; a line on standard error says
     why, unless no daemon serves this cache). ``known``: this process's identity of ``src``, if it has one.
-    ``entry.outcome`` is ``daemon`` (``hit`` when the daemon had it already). Not ``here`` (this process may not
-    write ``cache``), a daemon that did not convert it is a :class:`CacheError` saying why."""
+    ``entry.outcome`` is ``daemon`` (``hit`` when the daemon had it already). Not ``here`` (this process does not
+    write ``cache``: :meth:`~transformd.cache.Cache.written_here`), the entry is found by the key the daemon
+    answered with, and a daemon that did not convert it is a :class:`CacheError` saying why."""
     sock = default_socket_path()
     if not sock.exists():  # no daemon: not even httpx is imported
         return None
@@ -74,7 +75,7 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
             done = True
         if known is not None:
             entry = cache.get(cache_key(known, recipe))
-        elif may_write(cache):
+        elif here:
             entry = cache.lookup(src, recipe)
         else:  # another user's cache, not listed here: the entry of the key the daemon answered this caller with
             entry = cache.get(client.last_key) if client.last_key else None
@@ -93,16 +94,6 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
                                 "process reads them (another mount namespace?)", here)
     entry.outcome = outcome
     return entry
-
-
-def may_write(cache: Cache) -> bool:
-    """Whether this process writes ``cache`` as its owner. Another user's cache (a daemon's, whose directories it
-    may not list) is read by key only, also by root (entries root made there its daemon could never evict) and on a
-    read-only mount; the owner's own cache on a read-only disk is the owner's still (the cache says what fails)."""
-    try:
-        return os.stat(cache.staging_dir).st_uid == os.geteuid()
-    except OSError:
-        return False
 
 
 def _same_directory(theirs: object, ours: Path) -> bool:
