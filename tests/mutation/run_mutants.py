@@ -184,8 +184,7 @@ MUTANTS: list[Mutant] = [
       ["tests/test_trust_freezes.py", "-k", "kept_alive"]),
     # -- this session's trust fixes (daemon/peers.py, app.py, middleware.py; client; convert --out) ---------------------
     m("path-walk-ancestors-unchecked", "transformd/daemon/peers.py",
-      "            if not bits & _X:\n                return \"search permission on a directory above",
-      "            if False:\n                return \"search permission on a directory above",
+      "    return denied(caller, AccessFacts((), (), tuple(facts)))", "    return None",
       WALK_TESTS),
     m("path-walk-not-asked", "transformd/daemon/app.py",
       "if (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:",

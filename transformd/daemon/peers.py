@@ -138,25 +138,24 @@ def path_denied(caller: Caller, path: str, allowed: Callable[[str], bool] | None
 
 
 def _way_denied(caller: Caller, walked: str, listed: bool = True) -> str | None:
+    """:func:`denied` for the directories along ``walked`` (as far as they exist): each above it searched, itself
+    read and searched when ``listed`` (else searched)."""
     names = [name for name in walked.split(os.sep) if name]
+    facts: list[Fact] = []
     current = os.sep
     for depth in range(len(names) + 1):
         try:
             st = os.stat(current)
         except OSError:
-            return None  # missing (or not even the daemon may look): the request's own checks say so
+            break  # missing (or not even the daemon may look): the request's own checks say so
         if not stat.S_ISDIR(st.st_mode):
-            return None
-        bits = _bits((current, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)), caller)
-        if depth < len(names) or not listed:
-            if not bits & _X:
-                return "search permission on a directory above the source"
-            if depth == len(names):
-                return None
+            break
+        facts.append((current, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
+        if depth < len(names):
             current = os.path.join(current, names[depth])
-        elif bits & (_R | _X) != (_R | _X):
-            return "read permission on a directory of the source"
-    return None
+    if listed and len(facts) == len(names) + 1:  # (it exists: it is listed, the rest passed)
+        return denied(caller, AccessFacts((), (facts[-1],), tuple(facts[:-1])))
+    return denied(caller, AccessFacts((), (), tuple(facts)))
 
 
 def _inside_denied(caller: Caller, top: str, allowed: Callable[[str], bool]) -> str | None:
