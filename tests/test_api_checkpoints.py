@@ -418,8 +418,6 @@ def test_bad_requests_are_400_with_a_message(start, models: Path) -> None:
             http.post("/v1/checkpoints", json={"source": src, "target": "e5m2"}),
             http.post("/v1/checkpoints", json={"source": src, "scale_mode": "max"}),
             http.post("/v1/checkpoints", json={"source": src, "colour": "blue"}),
-            http.post("/v1/checkpoints", json={"source": src, "select": "("}),
-            http.post("/v1/checkpoints", json={"source": src, "select": "(a+)+$"}),
             http.post("/v1/checkpoints", json={"source": src, "select": "x" * 2000}),
             http.post("/v1/checkpoints", json={"source": "relative/dir/path"}),  # org/name is a repo id (hub)
             http.post("/v1/checkpoints", json={"source": "/x\u0000y"}),
@@ -429,6 +427,9 @@ def test_bad_requests_are_400_with_a_message(start, models: Path) -> None:
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["status"] == 400 and err["code"] and len(err["message"]) > 10
+        for pattern in ("(", "(?=a)b", "(a)\\1"):  # what RE2 cannot compile: 422, before the source is looked at
+            r = http.post("/v1/checkpoints", json={"source": str(models / "missing"), "select": pattern})
+            assert r.status_code == 422 and r.json()["error"]["code"] == "bad_select", r.text
         r = http.post("/v1/checkpoints", json={"source": str(models / "missing")})
         assert r.status_code == 404 and r.json()["error"]["code"] == "source_not_found"
         r = http.post("/v1/checkpoints", content=b"x" * (1 << 20), headers={"content-type": "application/json"})

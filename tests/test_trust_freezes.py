@@ -1,8 +1,8 @@
 """Trust class 5: no request freezes the daemon for others.
 
-* a ``select`` with nested repetition through alternation (``(.|.)*X``): matched by RE2 in linear time; before,
-  Python's ``re`` froze the whole daemon (GIL held, healthz timed out). Run against a daemon *process* so that a
-  frozen one can be killed;
+* a ``select`` with nested repetition through alternation (``(.|.)*X``): matched by RE2 in linear time, or refused
+  (422) where RE2 lacks the syntax; before, Python's ``re`` froze the whole daemon (GIL held, healthz timed out). Run
+  against a daemon *process* so that a frozen one can be killed;
 * FIFOs where ``hf download --local-dir`` records (``.cache/huggingface/download/*.metadata``) should be, in more
   sources than the worker pool has threads: never opened blocking, and health answers throughout;
 * idle TCP connections past the TCP listener's limit: the next TCP client gets a JSON 503, the unix socket keeps
@@ -53,13 +53,13 @@ def test_catastrophic_select_regex_does_not_freeze(tmp_path: Path, fault_log) ->
                     r = http.post("/v1/checkpoints", json={"source": str(src), "select": pattern})
                 except httpx.TimeoutException:
                     pytest.fail(f"select {pattern!r} froze the daemon")
-                assert r.status_code in (400, 422), (pattern, r.status_code, r.text)
+                assert r.status_code in (200, 202, 422), (pattern, r.status_code, r.text)  # RE2, or refused
                 assert _health_ok(http) < 2.0
     finally:
         daemon.kill()
         shutil.rmtree(run, ignore_errors=True)
     fault_log.record(CATEGORY, "select regex with nested repetition through alternation", len(patterns),
-                     "answered at once (RE2, or 400), healthz fast")
+                     "answered at once (RE2, or 422), healthz fast")
 
 
 def test_fifo_download_records_do_not_block_anyone(tmp_path: Path, fault_log) -> None:

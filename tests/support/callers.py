@@ -16,16 +16,15 @@ NOBODY = 65534
 
 _CLIENT = textwrap.dedent(
     """
-    import json, os, socket, sys
+    import json, os, socket, sys, threading  # (imported before setuid: the stdlib may be unreadable to uid)
     uid = int(sys.argv[2])
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
-    out = []
-    for method, path, body in json.loads(sys.argv[3]):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(60)
-        s.connect(sys.argv[1])
+    requests = json.loads(sys.argv[3])
+    parallel = len(sys.argv) > 4 and sys.argv[4] == "parallel"
+
+    def one(method, path, body, s):
         data = b"" if body is None else json.dumps(body).encode()
         s.sendall(f"{method} {path} HTTP/1.1\\r\\nHost: td\\r\\nContent-Type: application/json\\r\\n"
                   f"Content-Length: {len(data)}\\r\\nConnection: close\\r\\n\\r\\n".encode() + data)
@@ -37,15 +36,40 @@ _CLIENT = textwrap.dedent(
             raw += chunk
         s.close()
         head, _, payload = raw.partition(b"\\r\\n\\r\\n")
-        out.append([int(head.split()[1]), payload.decode("utf-8", "replace")])
+        return [int(head.split()[1]), payload.decode("utf-8", "replace")]
+
+    def connected():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(60)
+        s.connect(sys.argv[1])
+        return s
+
+    if parallel:  # every request on its own connection, all sent at once (connected first, then a barrier)
+        socks = [connected() for _ in requests]
+        out = [None] * len(requests)
+        barrier = threading.Barrier(len(requests))
+
+        def run(i):
+            barrier.wait()
+            out[i] = one(*requests[i], socks[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        out = [one(method, path, body, connected()) for method, path, body in requests]
     print(json.dumps(out))
     """
 )
 
 
-def as_uid(sock: Path, uid: int, requests: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
-    """Run ``requests`` (method, path, JSON body) as ``uid`` in a child process; (status, JSON) per request."""
-    r = subprocess.run([sys.executable, "-c", _CLIENT, str(sock), str(uid), json.dumps(requests)],
-                       capture_output=True, text=True, timeout=120, check=False)
+def as_uid(sock: Path, uid: int, requests: list[tuple[str, str, Any]], *, parallel: bool = False,
+           timeout: float = 120) -> list[tuple[int, Any]]:
+    """Run ``requests`` (method, path, JSON body) as ``uid`` in a child process; (status, JSON) per request, in order.
+    ``parallel``: each on its own connection, connected first and then all sent at once (one thread each)."""
+    argv = [sys.executable, "-c", _CLIENT, str(sock), str(uid), json.dumps(requests), *(["parallel"] if parallel else [])]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     assert r.returncode == 0, r.stderr
     return [(status, json.loads(body) if body.strip() else None) for status, body in json.loads(r.stdout)]

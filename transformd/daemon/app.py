@@ -291,6 +291,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     )
     async def post_checkpoint(body: CheckpointRequest, request: Request) -> Response:
         caller = d.caller(request)
+        await d.check_select(body.select)  # (422 for a pattern RE2 refuses, before anything else)
         slot = d.source_slot(caller)  # held for the work on the source: a caller takes a few source threads at most
         target, reason = choose_target(body.target, body.engine, d.platform)
         async with slot:

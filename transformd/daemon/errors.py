@@ -10,7 +10,7 @@ to do. Client mistakes are 4xx, never 500:
 404    unknown key, file, lease, or source directory; a repo id not in the hub cache (repo_not_cached)
 409    conflict: entry leased (delete), conversion in progress (delete, lease), source changed
 413    request body too large
-422    invalid checkpoint (the message names the file, the tensor and the problem)
+422    invalid checkpoint (the message names the file, the tensor and the problem); a select RE2 cannot compile
 502    a repo id could not be downloaded (``--allow-download`` only)
 503    conversion queue full, daemon shutting down, cache directory unusable
 507    the cache cannot hold the conversion (budget or disk full)

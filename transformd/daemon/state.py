@@ -19,6 +19,8 @@ from ..cache import Cache
 from ..checkpoint import readiness_of_dir
 from ..engines import Platform
 from ..hub import HubResolver
+from ..selectre import SelectError, compile_select
+from .errors import error_for_exception
 from .files import EntryIndex
 from .metrics import Metrics
 from .paths import SourcePolicy
@@ -56,6 +58,7 @@ class Daemon:
     hub: HubResolver | None = None
     hub_origins: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     _health_limiter: anyio.CapacityLimiter | None = None
+    _select_limiter: anyio.CapacityLimiter | None = None
     _source_slots: dict[int, anyio.CapacityLimiter] = dataclasses.field(default_factory=dict)
 
     def entry_readiness(self, key: str, path: Path) -> dict[str, Any] | None:
@@ -88,6 +91,20 @@ class Daemon:
         if self._health_limiter is None:
             self._health_limiter = anyio.CapacityLimiter(4)
         return self._health_limiter
+
+    async def check_select(self, pattern: str | None) -> None:
+        """Compile a request's ``select`` (RE2 only, :mod:`transformd.selectre`); a refused one is a 422 naming what
+        RE2 lacks. RE2 holds the GIL while it compiles (up to some 30 ms for the largest pattern accepted, a
+        Unicode class repeated 1000 times), so one worker thread compiles them one at a time: a burst of such
+        requests holds the event loop and /healthz for one compile at a time, never for their sum."""
+        if pattern is None:
+            return
+        if self._select_limiter is None:
+            self._select_limiter = anyio.CapacityLimiter(1)
+        try:
+            await anyio.to_thread.run_sync(compile_select, pattern, limiter=self._select_limiter)
+        except SelectError as e:
+            raise error_for_exception(e) from None
 
     def is_admin(self, caller: Caller) -> bool:
         return caller.uid in self.settings.admins()
