@@ -329,9 +329,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 d.grant(key, caller)
                 return await _ready(info, job, reason, body.engine, hub)
         metrics.cache_misses.inc()
-        await _admit(caller, key, source, body, target)
-        d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
-        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
+        async with _admitted(caller, key, source, body, target):
+            d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
+            job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
         assert job is not None
         return await _answer(key, job, reason, body.engine, hub)
 
@@ -346,8 +346,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         if missing is not None:
             raise unreadable(caller, source, missing)
         slot = pending.slot(recipe)
-        await _admit(caller, slot, source, body, recipe.target)
-        job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True)
+        async with _admitted(caller, slot, source, body, recipe.target):
+            job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True)
         if job is None:
             return None
         key = await service.keyed(job)
@@ -359,20 +359,22 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             metrics.cache_misses.inc()
         return await _answer(key, job, reason, body.engine, hub)
 
-    async def _admit(caller: Caller, key: str, source: str, body: CheckpointRequest, target: str) -> None:
-        """Before a request starts a job for ``key`` (unless it joins the active one): the caller's limit of queued
-        conversions (429), then the engine's check of the converted checkpoint (from the headers, in a source slot;
-        422)."""
+    @contextlib.asynccontextmanager
+    async def _admitted(caller: Caller, key: str, source: str, body: CheckpointRequest,
+                        target: str) -> AsyncIterator[None]:
+        """Around the start of a job for ``key`` (unless the request joins the active one): a place in the caller's
+        limit of queued conversions, taken before anything is awaited and held until the job exists (429 past
+        it), then the engine's check of the converted checkpoint (from the headers, in a source slot; 422)."""
         job = service.job(key)
         joins = job is not None and job.active
-        if not joins and not d.is_admin(caller) and service.queued_by(caller.uid) >= d.settings.max_queued_per_caller:
-            raise ApiError(429, "caller_queue_full", f"{caller.describe()} already has "
-                           f"{d.settings.max_queued_per_caller} conversions queued or running; wait for them",
-                           headers={"Retry-After": "5"})
-        if body.engine is not None and not joins:
-            async with d.source_slot(caller):  # (it reads the source's headers)
-                report = await _thread(_plan_readiness, d, source, body.select, target, caller)
-            _check_engine(report, body.engine)
+        place = contextlib.nullcontext() if joins or d.is_admin(caller) else service.reserve(
+            caller.uid, key, d.settings.max_queued_per_caller, caller.describe())
+        with place:
+            if body.engine is not None and not joins:
+                async with d.source_slot(caller):  # (it reads the source's headers)
+                    report = await _thread(_plan_readiness, d, source, body.select, target, caller)
+                _check_engine(report, body.engine)
+            yield
 
     async def _answer(key: str, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:
         """POST's answer once the request has a job for ``key``: the entry (200) if the job is done, else 202."""
@@ -543,24 +545,25 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         job = service.job(key)
         if job is not None and job.active:
             raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is still converting; lease it once ready")
-        if not d.is_admin(caller):
-            held = await _thread(_live_leases_of, cache, caller.uid)
-            if held >= d.settings.max_leases_per_caller:
-                raise ApiError(
-                    429,
-                    "too_many_leases",
-                    f"{caller.describe()} already holds {held} live leases (at most "
-                    f"{d.settings.max_leases_per_caller} per caller); release some (DELETE .../leases/ID) first",
-                    headers={"Retry-After": "60"},
+        async with d.lease_turn(caller):  # (the count and the lease together: the cap holds under concurrency)
+            if not d.is_admin(caller):
+                held = await _thread(_live_leases_of, cache, caller.uid)
+                if held >= d.settings.max_leases_per_caller:
+                    raise ApiError(
+                        429,
+                        "too_many_leases",
+                        f"{caller.describe()} already holds {held} live leases (at most "
+                        f"{d.settings.max_leases_per_caller} per caller); release some (DELETE .../leases/ID) first",
+                        headers={"Retry-After": "60"},
+                    )
+            try:
+                lease = await anyio.to_thread.run_sync(
+                    lambda: cache.acquire_lease(key, body.ttl_s, holder=body.holder, pid=None, uid=caller.uid)
                 )
-        try:
-            lease = await anyio.to_thread.run_sync(
-                lambda: cache.acquire_lease(key, body.ttl_s, holder=body.holder, pid=None, uid=caller.uid)
-            )
-        except EntryNotFoundError:
-            raise _unknown_key(key) from None
-        except Exception as e:
-            raise error_for_exception(e) from e
+            except EntryNotFoundError:
+                raise _unknown_key(key) from None
+            except Exception as e:
+                raise error_for_exception(e) from e
         return _json({"id": lease.id, "key": key, "expires_at": lease.expires_at, "holder": lease.holder}, 201)
 
     @app.delete(

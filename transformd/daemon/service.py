@@ -18,11 +18,12 @@ cache removes their staging directories.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,8 @@ class ConversionService:
         #: told ``(key, uid)`` of each entry a job converted (not found or waited for), before its job is ready
         self._on_converted = on_converted
         self._jobs: dict[str, Job] = {}
+        #: keys that requests of a uid have reserved on their way to starting a job (:meth:`reserve`)
+        self._reserved: dict[int, set[str]] = {}
         self._identifying: dict[tuple[str, bool], asyncio.Future[SourceIdentity | PendingIdentity]] = {}
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
@@ -332,8 +335,29 @@ class ConversionService:
     # ------------------------------------------------------------------ jobs
 
     def queued_by(self, uid: int) -> int:
-        """Active (queued or converting) jobs started by ``uid``."""
-        return sum(1 for j in self._jobs.values() if j.active and j.uid == uid)
+        """Active (queued or converting) jobs started by ``uid``, and the keys reserved for ``uid``'s requests that
+        are on their way to starting one (:meth:`reserve`); a key counts once."""
+        keys = {j.key for j in self._jobs.values() if j.active and j.uid == uid}
+        return len(keys | self._reserved.get(uid, set()))
+
+    @contextlib.contextmanager
+    def reserve(self, uid: int, key: str, cap: int, who: str) -> Iterator[None]:
+        """Hold a place of ``uid``'s ``cap`` for the job of ``key`` while a request checks it and starts it (event
+        loop; the check and the reservation happen together, before any await): a concurrent burst of one uid's
+        requests cannot all pass the count before any of them has made its job (an attack review had 12 of
+        a uid's concurrent requests accepted under a cap of 4). A place is given back on leaving; by then the job
+        (if the request made one) counts itself. Raises the 429 ``caller_queue_full`` when the cap is reached."""
+        if self.queued_by(uid) >= cap:
+            raise ApiError(429, "caller_queue_full", f"{who} already has {cap} conversions queued or running; wait "
+                           "for them", headers={"Retry-After": "5"})
+        keys = self._reserved.setdefault(uid, set())
+        keys.add(key)
+        try:
+            yield
+        finally:
+            keys.discard(key)
+            if not keys:
+                self._reserved.pop(uid, None)
 
     async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None,
                          identity: SourceIdentity | None = None, provisional: bool = False) -> Job | None:

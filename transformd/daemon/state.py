@@ -60,6 +60,7 @@ class Daemon:
     _health_limiter: anyio.CapacityLimiter | None = None
     _select_limiter: anyio.CapacityLimiter | None = None
     _source_slots: dict[int, anyio.CapacityLimiter] = dataclasses.field(default_factory=dict)
+    _lease_turns: dict[int, anyio.Lock] = dataclasses.field(default_factory=dict)
 
     def entry_readiness(self, key: str, path: Path) -> dict[str, Any] | None:
         """Blocking: readiness of a published entry (from its config and headers), remembered per key; None when
@@ -149,6 +150,18 @@ class Daemon:
         if slots is None:
             slots = self._source_slots[caller.uid] = anyio.CapacityLimiter(SOURCE_WORK_PER_CALLER)
         return slots
+
+    def lease_turn(self, caller: Caller) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Held (``async with``) while a caller's lease request counts the caller's live leases and takes one: one
+        request of a uid at a time, so its cap holds under any concurrency (the count and the lease were two awaits
+        apart: an attack review's 100 concurrent requests left 99-100 live leases under a cap of 64); an admin's
+        are not counted. Other uids never wait for it."""
+        if self.is_admin(caller):
+            return contextlib.nullcontext()
+        turn = self._lease_turns.get(caller.uid)
+        if turn is None:
+            turn = self._lease_turns[caller.uid] = anyio.Lock()
+        return turn
 
     def converted(self, key: str, uid: int | None) -> None:
         """A job converted ``key`` at ``uid``'s request: that caller may delete it. Only a conversion makes a
