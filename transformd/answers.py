@@ -5,6 +5,7 @@ and tensor table, a lease. Each ``from_json`` takes the daemon's JSON as untrust
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,8 +90,29 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TensorEntry:
+        """A tensor of the daemon's table: a ValueError (the client's ServerError) for a shape or offsets that are
+        not whole numbers a tensor can have (a shape whose element count overflows 64 bits escaped as torch's
+        RuntimeError from the loader, an attack review)."""
         begin, end = data["offsets"]
-        return cls(str(data["dtype"]), tuple(int(d) for d in data["shape"]), (int(begin), int(end)))
+        shape = tuple(_whole(d, "a dimension") for d in data["shape"])
+        if math.prod(d for d in shape if d) >= _LIMIT >> 3:  # (8 bytes an element at the most; zeros aside)
+            raise ValueError(f"the shape {list(shape)[:8]} has more elements than a tensor can")
+        begin, end = _whole(begin, "an offset"), _whole(end, "an offset")
+        if begin > end:
+            raise ValueError(f"the offsets [{begin}, {end}) are reversed")
+        return cls(str(data["dtype"]), shape, (begin, end))
+
+
+#: Sizes and offsets of a table are below this (torch's and the file system's int64).
+_LIMIT = 1 << 63
+
+
+def _whole(value: Any, what: str) -> int:
+    """``value`` if it is a whole number in [0, 2**63); a ValueError naming ``what`` otherwise (a float, a bool or a
+    string is not one: ``int()`` would have taken them)."""
+    if type(value) is not int or not 0 <= value < _LIMIT:
+        raise ValueError(f"{what} {str(value)[:40]!r} is not a whole number in [0, 2**63)")
+    return value
 
 
 @dataclass(frozen=True)

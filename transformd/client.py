@@ -105,7 +105,10 @@ def default_socket_path(
     A client skips ``$XDG_RUNTIME_DIR`` when no socket is there but the system-wide one exists, so a user
     session on a node whose daemon is the system one (or a sidecar's) still finds it; a daemon listens there. It
     also skips one that is not its own user's (an ``XDG_RUNTIME_DIR`` inherited through ``su`` or ``sudo -E``):
-    whoever owns that directory could answer there with any path (an attack review's fake daemon did).
+    whoever owns that directory could answer there with any path (an attack review's fake daemon did). And it
+    takes a socket there only from a uid it trusts (:func:`trusted_socket`): where the directory lets others write
+    (a world-writable sticky one, say), a socket another uid planted is skipped for the system-wide one, and
+    refused (:class:`~transformd.errors.NotAllowedError`) where there is none.
     """
     env = os.environ if environ is None else environ
     chosen = explicit if explicit is not None and os.fspath(explicit) != "" else env.get(ENV_SOCKET)
@@ -116,9 +119,33 @@ def default_socket_path(
     if runtime and os.path.isabs(runtime):
         user = Path(runtime) / _SOCKET_NAME
         theirs = os.path.isdir(runtime) and os.stat(runtime).st_uid != os.geteuid()
-        if listening or (not theirs and (user.exists() or not system.exists())):
+        if listening:
             return user
+        if not theirs and (user.exists() or not system.exists()):
+            planter = untrusted_owner(user)
+            if planter is None:
+                return user
+            if not system.exists():
+                raise NotAllowedError(
+                    f"the socket {user} belongs to uid {planter}, neither you (uid {os.geteuid()}) nor root, in a "
+                    f"directory others may write: whoever planted it would answer with paths of his choosing; not "
+                    f"used (name a socket you trust with ${ENV_SOCKET} or socket=)")
     return system
+
+
+def untrusted_owner(path: Path) -> int | None:
+    """The owner of the socket at ``path`` when a client should not trust it, else None: one of another uid than
+    the caller's and root's, in a directory that others than its owner may write (a world-writable sticky
+    ``XDG_RUNTIME_DIR``: anyone may plant a socket there and answer as the daemon). Nothing at ``path``: None (the
+    connection fails with its own message)."""
+    try:
+        st = os.lstat(path)
+        parent = os.stat(path.parent)
+    except OSError:
+        return None
+    if st.st_uid in (os.geteuid(), 0) or not parent.st_mode & 0o022:
+        return None
+    return st.st_uid
 
 
 def _read_token_file(path: str | os.PathLike[str]) -> str:
@@ -130,6 +157,15 @@ def _read_token_file(path: str | os.PathLike[str]) -> str:
     if not token:
         raise TransformdError(f"the token file {path} is empty")
     return token
+
+
+def _parsed(response: httpx.Response) -> Any:
+    """The answer's JSON; a ValueError for anything that is not JSON a client can take, also JSON nested deeper than
+    the parser's recursion limit (a 20,000-deep answer was a RecursionError out of every call)."""
+    try:
+        return response.json()
+    except RecursionError as err:
+        raise ValueError("JSON nested too deeply") from err
 
 
 def _default_holder() -> str:
@@ -244,7 +280,7 @@ class TransformdClient:
     def _error(response: httpx.Response) -> TransformdError:
         status, code, message = response.status_code, None, None
         try:
-            body = response.json()
+            body = _parsed(response)
         except ValueError:
             body = None
         if isinstance(body, Mapping):
@@ -269,7 +305,7 @@ class TransformdClient:
         another type) is the daemon's fault, a ServerError in one line (it was an AttributeError's traceback)."""
         where = response.request.url.path
         try:
-            data = response.json()
+            data = _parsed(response)
         except ValueError as err:
             raise ServerError.from_answer(f"transformd answered {where} with non-JSON: {response.text[:200]!r}",
                                           status=response.status_code, code=None) from err
@@ -277,7 +313,7 @@ class TransformdClient:
             if not isinstance(data, dict):
                 raise TypeError(f"not a JSON object but {type(data).__name__}")
             return data if build is None else build(data)
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError) as err:
             raise ServerError.from_answer(f"transformd answered {where} with a malformed answer "
                                           f"({type(err).__name__}: {str(err)[:200]})",
                                           status=response.status_code, code=None) from err
@@ -601,14 +637,14 @@ class TransformdClient:
         response = self._request("GET", "/healthz", ok=(200, 503) if degraded_ok else (200,))
         if response.status_code == 503:
             try:
-                body = response.json()
+                body = _parsed(response)
             except ValueError:
                 body = None
             if not (isinstance(body, dict) and isinstance(body.get("status"), str)):
                 raise self._error(response)  # a 503 of another kind (not the health body): an error as before
             return body
         try:
-            data = response.json()
+            data = _parsed(response)
         except ValueError:
             data = {"status": response.text.strip() or "ok"}
         return data if isinstance(data, dict) else {"status": data}

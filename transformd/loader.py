@@ -339,6 +339,9 @@ def _check_bounds(spec: _Spec, path: Path, size: int) -> None:
         raise CheckpointError(f"unknown dtype {spec.dtype!r}", file=path, tensor=spec.name)
     if any(d < 0 for d in spec.shape):
         raise CheckpointError(f"negative dimension in shape {list(spec.shape)}", file=path, tensor=spec.name)
+    if math.prod(d for d in spec.shape if d) >= 1 << 60:  # (zeros aside: torch sizes its storage from the rest)
+        raise CheckpointError(f"shape {list(spec.shape)[:8]} has more elements than a tensor can", file=path,
+                              tensor=spec.name)
     bits = DTYPE_BITS[spec.dtype] * math.prod(spec.shape)
     if not 0 <= spec.begin <= spec.end <= size:
         raise CheckpointError(f"bytes [{spec.begin}, {spec.end}) are outside the {size}-byte file", file=path,
