@@ -73,3 +73,30 @@ def as_uid(sock: Path, uid: int, requests: list[tuple[str, str, Any]], *, parall
     r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     assert r.returncode == 0, r.stderr
     return [(status, json.loads(body) if body.strip() else None) for status, body in json.loads(r.stdout)]
+
+
+_HOLD = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    uid, n = int(sys.argv[2]), int(sys.argv[3])
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    held = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sys.argv[1])
+        held.append(s)
+    print("held", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def hold_connections(sock: Path, uid: int, n: int) -> subprocess.Popen[str]:
+    """A child process of ``uid`` that opens ``n`` connections to ``sock`` and sends nothing on them (idle) until it
+    is killed; returns once they are connected."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(sock), str(uid), str(n)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc

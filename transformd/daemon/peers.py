@@ -211,15 +211,24 @@ def _raw_error(status: int, reason: str, code: str, message: str, *, retry: bool
     return head.encode() + body
 
 
+def admin_room(limit: int) -> int:
+    """Connections of a unix listener of ``limit`` that only privileged uids may take (:func:`peer_protocol`)."""
+    return max(1, min(64, limit // 8))
+
+
 def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, header_timeout_s: float = 10.0,
-                  max_per_uid: int | None = None) -> type:
+                  max_per_uid: int | None = None, privileged: frozenset[int] = frozenset({0}),
+                  write_timeout_s: float = 30.0) -> type:
     """A subclass of uvicorn's HTTP protocol ``base``: the unix peer's :class:`Caller` in every scope, a limit of
     open connections per listener kind (``{"unix": n, "tcp": m}``; past it, a JSON 503 and close, so a flood of
     TCP connections never takes the unix socket's capacity) and per unix peer uid (``max_per_uid``, root's not
-    counted: one uid's flood never takes the others'), and a deadline for each request's headers, the first's from
-    the connection, a kept-alive connection's next from its first byte (an idle or trickling connection gets a JSON
-    408 and is closed; uvicorn's keep-alive timeout covers the time between requests, and
-    :class:`.middleware.BodyLimit` a request's body)."""
+    counted: one uid's flood never takes the others'), of which the last :func:`admin_room` unix connections are
+    only for ``privileged`` uids (root, the daemon's, the admins: 16 uids with 128 idle connections each filled the
+    whole listener, and root got 503 too), a deadline for each request's headers, the first's from the connection,
+    a kept-alive connection's next from its first byte (an idle or trickling connection gets a JSON 408 and is
+    closed; uvicorn's keep-alive timeout covers the time between requests, and :class:`.middleware.BodyLimit` a
+    request's body), and one for its answer: a connection whose unsent answer has not shrunk for
+    ``write_timeout_s`` (a peer that does not read) is cut (it held its connection, and its uid's share, for ever)."""
     limits = dict(max_connections or {})
     counts = {"unix": 0, "tcp": 0}
     per_uid: dict[int, int] = {}
@@ -230,6 +239,8 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
         _td_uid: int | None = None  # a counted unix peer's
         _td_timer: Any = None
         _td_armed_for: Any = None  # the request cycle that was the last when the header deadline was armed
+        _td_watch: Any = None  # the write deadline's timer
+        _td_unsent: int | None = None  # unsent bytes at its last look (None: none)
 
         def connection_made(self, transport: Any) -> None:
             sock = transport.get_extra_info("socket")
@@ -237,8 +248,10 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
             caller = peer_caller(sock) if kind == "unix" else None
             uid = caller.uid if caller is not None and caller.uid != 0 and max_per_uid is not None else None
             limit = limits.get(kind)
+            if limit is not None and kind == "unix" and (caller is None or caller.uid not in privileged):
+                limit -= admin_room(limit)  # (the rest is kept for root, the daemon's uid and the admins)
             if limit is not None and counts[kind] >= limit:
-                self._td_refuse(transport, f"this daemon's {kind} listener has {limit} open connections")
+                self._td_refuse(transport, f"this daemon's {kind} listener has {counts[kind]} open connections")
                 return
             if uid is not None and per_uid.get(uid, 0) >= max_per_uid:  # type: ignore[operator]
                 self._td_refuse(transport, f"uid {uid} has {max_per_uid} open connections to this daemon")
@@ -250,6 +263,7 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
                 self._td_uid = uid
             super().connection_made(transport)
             self._td_timer = self.loop.call_later(header_timeout_s, self._td_header_deadline)
+            self._td_watch = self.loop.call_later(write_timeout_s, self._td_write_deadline)
             if kind != "unix":
                 return
             app = self.app
@@ -272,6 +286,16 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
                 self.transport.write(_raw_error(408, "Request Timeout", "request_timeout",
                                                 f"no complete request within {header_timeout_s:g} s"))
                 self.transport.close()
+
+        def _td_write_deadline(self) -> None:
+            """Every ``write_timeout_s``: cut the connection when its unsent bytes have not shrunk since the last
+            look (the peer reads nothing); uvicorn would wait for it for ever, also in the close after the answer."""
+            unsent = self.transport.get_write_buffer_size()
+            if unsent and self._td_unsent is not None and unsent >= self._td_unsent:
+                self.transport.abort()
+                return
+            self._td_unsent = unsent or None
+            self._td_watch = self.loop.call_later(write_timeout_s, self._td_write_deadline)
 
         def data_received(self, data: bytes) -> None:
             if self._td_refused:
@@ -301,6 +325,8 @@ def peer_protocol(base: type, *, max_connections: dict[str, int] | None = None, 
                 return
             if self._td_timer is not None:
                 self._td_timer.cancel()
+            if self._td_watch is not None:
+                self._td_watch.cancel()
             if self._td_kind is not None:
                 counts[self._td_kind] -= 1
                 self._td_kind = None

@@ -174,7 +174,9 @@ def _http_protocol(settings: Settings) -> type:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     limits = {"unix": settings.max_unix_connections, "tcp": settings.max_tcp_connections}
     return peer_protocol(base, max_connections=limits, header_timeout_s=settings.header_timeout_s,
-                         max_per_uid=settings.max_unix_connections_per_uid)
+                         max_per_uid=settings.max_unix_connections_per_uid,
+                         privileged=frozenset({0, os.geteuid(), *settings.admins()}),
+                         write_timeout_s=settings.write_timeout_s)
 
 
 class DaemonServer(uvicorn.Server):

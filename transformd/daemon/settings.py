@@ -112,11 +112,15 @@ class Settings(BaseSettings):
     #: open connections per listener kind; past them a JSON 503 (a TCP flood never takes the unix socket's)
     max_unix_connections: int = Field(2048, ge=1, le=1_000_000)
     max_tcp_connections: int = Field(256, ge=1, le=1_000_000)
-    #: open unix connections of one uid (root's are not counted): past them a JSON 503 for that uid only
+    #: open unix connections of one uid (root's are not counted): past them a JSON 503 for that uid only; the last
+    #: eighth of max_unix_connections (64 at most) is kept for root, the daemon's uid and the admins
     max_unix_connections_per_uid: int = Field(128, ge=1, le=1_000_000)
     #: seconds a new connection has to send its first request's headers, and a request its body (else a JSON 408
     #: and close)
     header_timeout_s: float = Field(10.0, gt=0)
+    #: seconds an answer's unsent bytes may stay unsent without shrinking (a peer that reads nothing): then the
+    #: connection is cut
+    write_timeout_s: float = Field(30.0, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     #: seconds the daemon waits for cancelled conversions to clean up when it stops
     shutdown_grace_s: float = Field(10.0, ge=0)
@@ -219,14 +223,17 @@ class Settings(BaseSettings):
 
 
 def read_token_file(path: Path) -> bytes:
-    """The token in ``path`` (surrounding whitespace removed). Raises :class:`SettingsError` when unusable."""
+    """The token in ``path`` (surrounding whitespace removed). Raises :class:`SettingsError` when unusable: not a
+    regular file, too long, not one printable line, readable by group or others, or owned by another uid than the
+    daemon's (whoever owns it can read it, or make it say what he wants). Checked on the open descriptor."""
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise SettingsError(f"token file {path} is not a regular file")
-        if st.st_size > MAX_TOKEN_BYTES:
-            raise SettingsError(f"token file {path} is {st.st_size} bytes; a token is one short line")
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO is never waited on)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise SettingsError(f"token file {path} is not a regular file")
+            if st.st_size > MAX_TOKEN_BYTES:
+                raise SettingsError(f"token file {path} is {st.st_size} bytes; a token is one short line")
             token = f.read(MAX_TOKEN_BYTES).strip()
     except OSError as e:
         raise SettingsError(f"cannot read token file {path}: {e.strerror or e}") from e
@@ -239,5 +246,10 @@ def read_token_file(path: Path) -> bytes:
         raise SettingsError(
             f"token file {path} is accessible to group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
             f"anyone who can read it can use the daemon: run `chmod 600 {path}` and start again"
+        )
+    if st.st_uid != os.geteuid():  # (its owner reads it, and may rewrite it: the token is his, not the daemon's)
+        raise SettingsError(
+            f"token file {path} is owned by uid {st.st_uid}, not by the daemon's uid {os.geteuid()}: its owner can "
+            f"read the token (and change it); run `chown {os.geteuid()} {path}` and start again"
         )
     return token
