@@ -204,7 +204,7 @@ class ConversionService:
         self._on_converted = on_converted
         self._jobs: dict[str, Job] = {}
         #: keys that requests of a uid have reserved on their way to starting a job (:meth:`reserve`)
-        self._reserved: dict[int, set[str]] = {}
+        self._reserved: dict[int, dict[str, int]] = {}
         self._identifying: dict[tuple[str, bool], asyncio.Future[SourceIdentity | PendingIdentity]] = {}
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
@@ -338,7 +338,7 @@ class ConversionService:
         """Active (queued or converting) jobs started by ``uid``, and the keys reserved for ``uid``'s requests that
         are on their way to starting one (:meth:`reserve`); a key counts once."""
         keys = {j.key for j in self._jobs.values() if j.active and j.uid == uid}
-        return len(keys | self._reserved.get(uid, set()))
+        return len(keys | self._reserved.get(uid, {}).keys())
 
     @contextlib.contextmanager
     def reserve(self, uid: int, key: str, cap: int, who: str) -> Iterator[None]:
@@ -350,12 +350,14 @@ class ConversionService:
         if self.queued_by(uid) >= cap:
             raise ApiError(429, "caller_queue_full", f"{who} already has {cap} conversions queued or running; wait "
                            "for them", headers={"Retry-After": "5"})
-        keys = self._reserved.setdefault(uid, set())
-        keys.add(key)
+        keys = self._reserved.setdefault(uid, {})
+        keys[key] = keys.get(key, 0) + 1  # (two requests of one uid for one key: one place, held until both left)
         try:
             yield
         finally:
-            keys.discard(key)
+            keys[key] -= 1
+            if not keys[key]:
+                del keys[key]
             if not keys:
                 self._reserved.pop(uid, None)
 
