@@ -54,6 +54,12 @@ SWAP_TESTS = ["tests/test_trust_callers.py", "-k", "swapped"]
 NAMESPACE_TESTS = ["tests/test_cache_keys.py", "-k", "namespace"]
 TRICKLE_TESTS = ["tests/test_trust_freezes.py", "-k", "trickling"]
 WALK_TESTS = ["tests/test_trust_callers.py", "-k", "cannot_search"]
+#: Issue 42's second trust round: select, caps, the client, the listener, the planted bugs.
+HOLD_TESTS = ["tests/test_trust_holds.py", "-k", "re2_only"]
+CAP_TESTS = ["tests/test_trust_caps.py"]
+CLIENT_TRUST_TESTS = ["tests/test_client_trust.py"]
+LISTENER_TESTS = ["tests/test_trust_listener.py"]
+PLANTED_TESTS = ["tests/test_trust_planted.py"]
 
 
 @dataclass(frozen=True)
@@ -303,6 +309,35 @@ MUTANTS: list[Mutant] = [
       "        ident = await service.identify(source, defer=True)\n",
       "        ident = await service.identify(source)\n",
       DAEMON_ALONGSIDE_TESTS),
+    # -- issue 42, second trust round: select, caps, client, listener, the two planted bugs ----------------------------
+    m("select-refusal-ignored", "transformd/daemon/state.py", "            raise error_for_exception(e) from None",
+      "            return", HOLD_TESTS),
+    m("caller-queue-not-reserved", "transformd/daemon/service.py", "        keys[key] = keys.get(key, 0) + 1", "        pass",
+      CAP_TESTS),
+    m("lease-count-not-serialised", "transformd/daemon/state.py",
+      "        if self.is_admin(caller):\n            return contextlib.nullcontext()\n        turn = ",
+      "        return contextlib.nullcontext()\n        turn = ", CAP_TESTS),
+    m("client-socket-owner-unchecked", "transformd/client.py",
+      "    if st.st_uid in (os.geteuid(), 0) or not parent.st_mode & 0o022:", "    if True:", CLIENT_TRUST_TESTS),
+    m("client-deep-json-escapes", "transformd/client.py", "    except RecursionError as err:\n        raise ValueError(",
+      "    except ZeroDivisionError as err:\n        raise ValueError(", CLIENT_TRUST_TESTS),
+    m("client-shape-overflow-unchecked", "transformd/answers.py", "        if math.prod(d for d in shape if d) >= ",
+      "        if False and math.prod(d for d in shape if d) >= ", CLIENT_TRUST_TESTS),
+    m("listener-no-admin-room", "transformd/daemon/peers.py", "limit -= admin_room(limit)", "limit -= 0",
+      LISTENER_TESTS),
+    m("write-deadline-never-cuts", "transformd/daemon/peers.py",
+      "                self.transport.abort()\n                return\n", "                pass\n", LISTENER_TESTS),
+    m("token-owner-unchecked", "transformd/daemon/settings.py", "    if st.st_uid != os.geteuid():", "    if False:",
+      LISTENER_TESTS),
+    m("group-bits-for-outsiders", "transformd/daemon/peers.py",
+      "        return (mode >> 3) & 7\n    return mode & 7", "        return (mode >> 3) & 7\n    return (mode >> 3) & 7",
+      PLANTED_TESTS),
+    m("download-record-followed", "transformd/cache/securefs.py",
+      "fd = os.open(parts[-1], OPEN_FLAGS | os.O_NOFOLLOW, dir_fd=cur)", "fd = os.open(parts[-1], OPEN_FLAGS, dir_fd=cur)",
+      PLANTED_TESTS),
+    m("download-record-dirs-followed", "transformd/cache/securefs.py",
+      "cur = os.open(p, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=cur)", "cur = os.open(p, DIR_FLAGS, dir_fd=cur)",
+      PLANTED_TESTS),
 ]
 
 

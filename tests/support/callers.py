@@ -17,10 +17,10 @@ NOBODY = 65534
 _CLIENT = textwrap.dedent(
     """
     import json, os, socket, sys, threading  # (imported before setuid: the stdlib may be unreadable to uid)
-    uid = int(sys.argv[2])
+    uid, _, gid = sys.argv[2].partition(":")
     os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
+    os.setgid(int(gid or uid))
+    os.setuid(int(uid))
     requests = json.loads(sys.argv[3])
     parallel = len(sys.argv) > 4 and sys.argv[4] == "parallel"
 
@@ -66,10 +66,12 @@ _CLIENT = textwrap.dedent(
 
 
 def as_uid(sock: Path, uid: int, requests: list[tuple[str, str, Any]], *, parallel: bool = False,
-           timeout: float = 120) -> list[tuple[int, Any]]:
-    """Run ``requests`` (method, path, JSON body) as ``uid`` in a child process; (status, JSON) per request, in order.
-    ``parallel``: each on its own connection, connected first and then all sent at once (one thread each)."""
-    argv = [sys.executable, "-c", _CLIENT, str(sock), str(uid), json.dumps(requests), *(["parallel"] if parallel else [])]
+           timeout: float = 120, gid: int | None = None) -> list[tuple[int, Any]]:
+    """Run ``requests`` (method, path, JSON body) as ``uid`` (group ``gid``, default the uid's number, and no other)
+    in a child process; (status, JSON) per request, in order. ``parallel``: each on its own connection, connected
+    first and then all sent at once (one thread each)."""
+    who = f"{uid}:{gid}" if gid is not None else str(uid)
+    argv = [sys.executable, "-c", _CLIENT, str(sock), who, json.dumps(requests), *(["parallel"] if parallel else [])]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     assert r.returncode == 0, r.stderr
     return [(status, json.loads(body) if body.strip() else None) for status, body in json.loads(r.stdout)]
