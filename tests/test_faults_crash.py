@@ -41,6 +41,7 @@ from transformd.checkpoint import convert_checkpoint
 from transformd.sample import write_sample_checkpoint
 
 from .support.checkpoints import write_checkpoint
+from .support.entries import entry_dir
 
 TRANSFORMD = Path(sys.executable).with_name("transformd")
 #: 86 MB; converts in ~1 s on one core of the CI machine.
@@ -227,7 +228,7 @@ def test_sigkill_of_convert_to_out(sample, tmp_path: Path, fault_log) -> None:
 
 
 def _cache_phase(root: Path, key: str) -> str:
-    if (root / "entries" / key).exists():
+    if entry_dir(root, key).exists():
         return "after the publish (rename done)"
     statuses = [json.loads((root / "staging" / n).read_text())
                 for n in os.listdir(root / "staging") if n.endswith(".json") and not n.startswith(".")]

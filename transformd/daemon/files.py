@@ -9,8 +9,8 @@ here blocks on the file system: call it from a worker thread.
 A file object (one shard)::
 
     {"name": "model-00001-of-00002.safetensors",
-     "path": "/cache/entries/<key>/checkpoint/model-00001-of-00002.safetensors",   # open this (null: not written yet)
-     "final_path": "/cache/entries/<key>/checkpoint/model-00001-of-00002.safetensors",
+     "path": "/cache/entries/<key>-<tag>/checkpoint/model-00001-of-00002.safetensors",  # open this (null: not yet)
+     "final_path": "/cache/entries/<key>-<tag>/checkpoint/model-00001-of-00002.safetensors",
      "size": 1234, "digest": "blake3:...",                                          # null until published
      "ready": true,
      "tensors": {"model.layers.0.mlp.experts.0.down_proj.weight":
@@ -153,7 +153,7 @@ class EntryIndex:
         self._started = time.time()
 
     def final_dir(self, key: str) -> Path:
-        return self.cache.entries_dir / key / "checkpoint"
+        return self.cache.entry_dir(key) / "checkpoint"
 
     def info(self, key: str, *, touch: bool = False) -> EntryInfo | None:
         """The published entry ``key`` or None (``touch`` marks it as used for the LRU eviction)."""
