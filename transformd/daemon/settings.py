@@ -18,7 +18,7 @@ setting (flag)                         environment variable                     
 ``max_queued_conversions``             ``TRANSFORMD_MAX_QUEUED_CONVERSIONS``       16
 ``max_lease_ttl_s``                    ``TRANSFORMD_MAX_LEASE_TTL_S``              7 days (an admin's leases)
 ``max_caller_lease_ttl_s``             ``TRANSFORMD_MAX_CALLER_LEASE_TTL_S``       1 day (anyone else's)
-``admin_uids`` (``--admin-uid``)       ``TRANSFORMD_ADMIN_UIDS`` (comma-separated)  the daemon's own uid
+``admin_uids`` (``--admin-uid``)       ``TRANSFORMD_ADMIN_UIDS`` (commas)          the daemon's own uid
 ``log_level`` (``--log-level``)        ``TRANSFORMD_LOG_LEVEL``                    ``info``
 =====================================  ==========================================  =============================
 
