@@ -167,7 +167,7 @@ def test_a_copy_of_cached_content_returns_that_entry(tmp_path):
     entry = cache.get_or_convert(copy, Recipe(target="ocp"))
     assert (entry.outcome, entry.key, entry.path) == ("hit", first.key, first.path)
     assert converter.finished == [True, False], "the copy's conversion was stopped, not run to the end"
-    assert sorted(os.listdir(cache.entries_dir)) == [first.key]
+    assert sorted(os.listdir(cache.entries_dir)) == [cache.entry_name(first.key)]
     assert [n for n in os.listdir(cache.staging_dir)] == [] and os.listdir(cache.failures_dir) == []
 
 

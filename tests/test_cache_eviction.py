@@ -27,7 +27,7 @@ def _make(tmp_path, names, budget="1G"):
 
 def _age(cache: Cache, key: str, seconds_ago: float) -> None:
     t = time.time() - seconds_ago
-    os.utime(cache.entries_dir / key, (t, t))
+    os.utime(cache.entry_dir(key), (t, t))
 
 
 def _estimate(cache: Cache, src) -> int:

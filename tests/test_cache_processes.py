@@ -139,7 +139,7 @@ def test_sigkill_during_publish(tmp_path, phase):
     visible = os.listdir(root / "entries")
     if phase == "published":
         # the rename happened: the entry is complete and valid
-        assert visible == [key]
+        assert visible == [cache.entry_name(key)]
         assert [r.ok for r in cache.verify()] == [True]
     else:
         assert visible == []

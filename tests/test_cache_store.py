@@ -65,7 +65,7 @@ def test_entry_layout_manifest_and_read_only_files(tmp_path):
     cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
     entry = cache.get_or_convert(src, Recipe(target="ocp", scale_mode="amax"))
     root = tmp_path / "cache"
-    assert entry.root == root / "entries" / entry.key
+    assert entry.root == root / "entries" / cache.entry_name(entry.key)
     assert entry.path == entry.root / CHECKPOINT_DIR
     assert sorted(os.listdir(entry.root)) == [CHECKPOINT_DIR, MANIFEST_NAME]
     # the converted checkpoint is what the converter wrote
@@ -170,7 +170,7 @@ def test_second_finisher_does_not_clobber(tmp_path):
         CopyConverter()(s, other / CHECKPOINT_DIR, recipe, progress)
         (other / CHECKPOINT_DIR / "winner").write_text("first")
         (other / MANIFEST_NAME).write_text(json.dumps({"schema": 1}))
-        os.rename(other, tmp_path / "cache" / "entries" / key)
+        os.rename(other, cache.entry_dir(key))
         CopyConverter()(s, out, recipe, progress)
         (out / "winner").write_text("second")
 

@@ -50,7 +50,7 @@ def test_flipped_byte_is_found_and_quarantined(two):
     # moved to quarantine with the reasons; never served again
     assert r.quarantined_to is not None and r.quarantined_to.parent == cache.quarantine_dir
     assert "model-00001-of-00002.safetensors" in (r.quarantined_to / "QUARANTINED.txt").read_text()
-    assert not (cache.entries_dir / bad.key).exists()
+    assert not cache.entry_dir(bad.key).exists()
     assert cache.get(bad.key) is None and cache.lookup(srcs[0]) is None
     assert cache.usage().quarantined == 1
     # the next request converts afresh

@@ -40,6 +40,7 @@ from transformd.daemon.settings import Settings
 from transformd.sample import write_sample_checkpoint
 
 from .support.daemon import DaemonThread, raw_request, short_tempdir, wait_ready
+from .support.entries import entry_dir
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -386,7 +387,7 @@ def test_cache_entries_are_read_only(world: dict[str, Any], fault_log) -> None:
             files = http.get(f"/v1/checkpoints/{key}/files").json()["files"]
     finally:
         daemon.stop()
-    entry = world["cache"] / "entries" / key
+    entry = entry_dir(world["cache"], key)
     # entries/<key>/ itself stays writable by the daemon's user: it is renamed from staging/ into entries/ and on
     # into trash/ or quarantine/, and moving a directory to another parent needs write permission on it (for a
     # non-root daemon). Everything in it is read-only.

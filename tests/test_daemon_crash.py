@@ -34,6 +34,7 @@ from transformd.checkpoint import convert_checkpoint
 from transformd.sample import write_sample_checkpoint
 
 from .support.daemon import DaemonProcess, metric_value, short_tempdir
+from .support.entries import entry_dir
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -161,7 +162,7 @@ def test_sigkill_at_random_points_of_a_conversion(sample, run_dir: Path, tmp_pat
     waited_ok = stale = 0
     try:
         key, seconds = _conversion_seconds(daemon, src)
-        entry = cache / "entries" / key / "checkpoint"
+        entry = entry_dir(cache, key) / "checkpoint"
         assert _files(entry) == reference  # a clean conversion through the daemon
         for i in range(KILLS):
             with daemon.client() as http:

@@ -37,6 +37,7 @@ from transformd.sample import write_sample_checkpoint
 
 from .support.daemon import Daemons
 from .support.hostile import CORPUS, Expect, build_case, check_message
+from .support.entries import entry_dir
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,7 +153,7 @@ def test_the_daemon_still_converts_after_the_corpus(world: dict[str, Any], fault
     body = _wait_failed(http, r.json()["key"])
     assert body["state"] == "ready", body
     assert Path(body["path"]).is_dir()
-    assert os.listdir(world["cache"] / "entries") == [body["key"]]
+    assert os.listdir(world["cache"] / "entries") == [entry_dir(world["cache"], body["key"]).name]
     assert os.listdir(world["cache"] / "staging") == []
     metrics = http.get("/metrics").text
     assert 'status="500"' not in metrics

@@ -33,6 +33,7 @@ from transformd.client import TransformdClient
 from transformd.sample import write_sample_checkpoint
 
 from .support.daemon import DaemonProcess, metric_value, short_tempdir
+from .support.entries import entry_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,7 +141,7 @@ def test_many_clients_and_status_queries_during_real_conversions(
                     key = td.last_key or ""
                     with lock:
                         results.append((i, key, path))
-                    assert path == daemon.cache_dir / "entries" / key / "checkpoint", (path, key)
+                    assert path == entry_dir(daemon.cache_dir, key) / "checkpoint", (path, key)
                 except Exception as e:  # noqa: BLE001 - collected and asserted below
                     with lock:
                         errors.append(f"client {i} {src.name}/{target}: {e!r}")

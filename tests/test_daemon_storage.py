@@ -45,6 +45,7 @@ from transformd.sample import write_sample_checkpoint
 
 from .support.daemon import DaemonThread, Daemons, wait_ready
 from .support.tmpfs import remount
+from .support.entries import entry_dir
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -371,7 +372,7 @@ def test_leased_entries_are_not_removed_and_mapped_readers_keep_their_bytes(
         assert set(tensors) == set(reference)
         # the lease is gone: the entry can be removed while the engine still maps it
         assert http.delete(f"/v1/checkpoints/{key}").status_code == 204
-        assert not (cache / "entries" / key).exists()
+        assert not entry_dir(cache, key).exists()
         for name, t in reference.items():
             assert tensors[name].dtype == t.dtype and _same_bytes(tensors[name], t), name
         # and once more through gc eviction

@@ -142,7 +142,7 @@ def test_cache_publish_fsyncs_the_entry_and_its_manifest_before_the_rename(tmp_p
                                           "sub/tokenizer.json": b'{"v": 1}'})
     cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=CopyConverter())
     entry = cache.get_or_convert(src)
-    published = cache.entries_dir / entry.key
+    published = cache.entry_dir(entry.key)
     names = {str(p.relative_to(published)) for p in published.rglob("*")}
     assert {"manifest.json", "checkpoint/model.safetensors", "checkpoint/sub/tokenizer.json"} <= names
     assert assert_published_durably(durability, published) == len(names)
@@ -177,7 +177,7 @@ def test_one_staging_directory_one_fsync_per_file_one_rename(tmp_path, durabilit
         from transformd.cache import TransformdConverter
 
         cache = Cache(tmp_path / "cache", budget_bytes="1G", converter=TransformdConverter(device="cpu"))
-        published = cache.entries_dir / cache.get_or_convert(src).key
+        published = cache.entry_dir(cache.get_or_convert(src).key)
     else:
         published = tmp_path / "out"
         convert_checkpoint(src, published, device="cpu")

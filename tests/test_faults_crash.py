@@ -41,6 +41,7 @@ from transformd.checkpoint import convert_checkpoint
 from transformd.sample import write_sample_checkpoint
 
 from .support.checkpoints import write_checkpoint
+from .support.entries import entry_dir
 
 TRANSFORMD = Path(sys.executable).with_name("transformd")
 #: 86 MB; converts in ~1 s on one core of the CI machine.
@@ -227,7 +228,7 @@ def test_sigkill_of_convert_to_out(sample, tmp_path: Path, fault_log) -> None:
 
 
 def _cache_phase(root: Path, key: str) -> str:
-    if (root / "entries" / key).exists():
+    if entry_dir(root, key).exists():
         return "after the publish (rename done)"
     statuses = [json.loads((root / "staging" / n).read_text())
                 for n in os.listdir(root / "staging") if n.endswith(".json") and not n.startswith(".")]
@@ -262,7 +263,7 @@ def test_sigkill_of_convert_into_the_cache(sample, tmp_path: Path, fault_log) ->
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr
     entry_path = Path(stdout.splitlines()[-1])
-    key = entry_path.parent.name
+    key = entry_path.parent.name.split("-")[0]  # (entries/<key>-<tag>)
     assert files(entry_path) == expected, "the cache's conversion is byte-identical to --out's"
     Cache(root).rm(key)
 
@@ -291,7 +292,7 @@ def test_sigkill_of_convert_into_the_cache(sample, tmp_path: Path, fault_log) ->
         phase = _cache_phase(root, key)
         phases[phase] += 1
         published = phase.startswith("after the publish")
-        assert os.listdir(root / "entries") == ([key] if published else []), attempt
+        assert os.listdir(root / "entries") == ([entry_dir(root, key).name] if published else []), attempt
         observer = Cache(root, cleanup=False)
         if published:
             assert files(observer.get(key).path) == expected and [r.ok for r in observer.verify()] == [True]

@@ -89,7 +89,7 @@ def assert_cache_holds_only_the_failure(root: Path, expect: Expect, key: str | N
         assert record["error_type"] == expect.error.__name__ and expect.problem in record["message"]
     assert all(n.endswith(".json") and not n.startswith(".") for n in os.listdir(root / "stat-cache"))
     top = {n for n in os.listdir(root) if not (root / n).is_dir()}
-    assert top <= {"CACHEDIR.TAG", "config.json"}, top
+    assert top <= {"CACHEDIR.TAG", "config.json", "entry-names.key"}, top
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, list[str], list[str]]:

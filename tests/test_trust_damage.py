@@ -84,3 +84,37 @@ def test_damage_is_quarantined_and_converted_again(tmp_path: Path, how: str, fau
         shutil.rmtree(run, ignore_errors=True)
     fault_log.record(CATEGORY, f"entry shard damaged on disk ({how}), daemon restarted", len(codes) + 1,
                      "noticed on first serve, quarantined; the next POST converts again")
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate"])
+def test_damage_after_the_first_serve_is_noticed_on_the_next(tmp_path: Path, how: str, fault_log) -> None:
+    """Once the daemon had answered for an entry it answered from memory: a shard deleted or truncated afterwards
+    was never noticed (POST said ready, ``/files`` returned the remembered table with a path to nothing). Each hit
+    now compares the files' size, inode and change time with those of the first serve: quarantined, converted again."""
+    src = write_sample_checkpoint(tmp_path / "models" / "m", layers=1, experts=2)
+    run = short_tempdir("tdd-")
+    try:
+        with DaemonThread(_settings(run, tmp_path)) as daemon, daemon.client(timeout=60) as http:
+            ready = _convert(http, src)
+            key, entry = ready["key"], Path(ready["path"])
+            good = (entry / SHARD).read_bytes()
+            assert http.get(f"/v1/checkpoints/{key}/files").status_code == 200  # served: remembered
+            r = http.post("/v1/checkpoints", json={"source": str(src)})
+            assert r.status_code == 200 and r.json()["state"] == "ready", r.text
+            os.chmod(entry, 0o755)
+            if how == "delete":
+                os.unlink(entry / SHARD)
+            else:
+                os.truncate(entry / SHARD, 100)
+            r = http.get(f"/v1/checkpoints/{key}/files")
+            assert r.status_code == 404, r.text
+            assert any(n.startswith(key) for n in os.listdir(tmp_path / "cache" / "quarantine"))
+            r = http.post("/v1/checkpoints", json={"source": str(src)})
+            assert r.status_code == 202, r.text  # converts anew, not "ready" from memory
+            again = wait_ready(http, key, timeout=120)
+            assert again["state"] == "ready"
+            assert (Path(again["path"]) / SHARD).read_bytes() == good
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    fault_log.record(CATEGORY, f"a served entry's shard {how}d on disk while the daemon runs", 3,
+                     "noticed on the next hit (size, inode, change time), quarantined; the next POST converts again")

@@ -265,6 +265,21 @@ MUTANTS: list[Mutant] = [
       "                head.cancel()  # (it writes into the staging directory)\n            shutil.rmtree(staging, "
       "ignore_errors=True)\n", "                head.cancel()  # (it writes into the staging directory)\n",
       ["tests/test_checkpoint.py"]),
+    # -- issue 42, second round: entry names, admins, leases, damage after a serve --------------------------------------
+    m("entry-named-by-its-key", "transformd/cache/names.py", 'return f"{key}-{self._tag(key, create)}"',
+      "return key", ["tests/test_trust_names.py", "-k", "computes"]),
+    m("old-entry-names-left", "transformd/cache/store.py", "            self._migrate_entry_names()\n", "",
+      ["tests/test_trust_names.py", "-k", "earlier_layout"]),
+    m("root-admin-by-default", "transformd/daemon/settings.py", "else frozenset({os.geteuid()})",
+      "else frozenset({0, os.geteuid()})", ["tests/test_trust_admins.py", "-k", "named"]),
+    m("admin-leases-uncounted", "transformd/daemon/app.py", "        held = await _thread(_live_leases_of, cache, caller.uid)",
+      "        held = 0 if d.is_admin(caller) else await _thread(_live_leases_of, cache, caller.uid)",
+      ["tests/test_trust_admins.py", "-k", "caps"]),
+    m("reader-lease-unbounded", "transformd/daemon/settings.py",
+      "return self.max_lease_ttl_s if admin else min(self.max_lease_ttl_s, self.max_caller_lease_ttl_s)",
+      "return self.max_lease_ttl_s", ["tests/test_trust_admins.py", "-k", "own_leases"]),
+    m("served-entry-unchecked", "transformd/daemon/files.py", "            problems = _stamp_problems(info.stamps)",
+      "            problems = []", ["tests/test_trust_damage.py", "-k", "first_serve_is"]),
     # -- cache/seal.py: the output's digests taken while the conversion goes on -------------------------------------
     m("seal-early-digest-of-a-changed-file", "transformd/cache/seal.py",
       "return known[1] if known is not None and known[0] == _signature(st) else None",

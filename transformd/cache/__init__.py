@@ -27,14 +27,16 @@ On-disk layout (everything a person needs can be read with ``ls`` and ``cat``)
     <root>/
       CACHEDIR.TAG                     marks the directory as a cache (backup tools skip it)
       config.json                      {"budget_bytes": ...}; written once when the root is created
-      entries/<key>/                   one published entry; <key> = 32 hex digits
+      entry-names.key                  0400: the secret the entries' names are keyed with (:mod:`.names`)
+      entries/<key>-<tag>/             one published entry; <key> = 32 hex digits, <tag> = 32 hex digits of
+                                       the key's keyed blake3 under the secret (:meth:`Cache.entry_dir`)
         manifest.json                  read-only: recipe, source files (name, size, content id) and
                                        source path (a hint only), every output file's size and blake3
                                        digest, timings, the converter's result (error report), created_at
         checkpoint/                    read-only: the converted checkpoint (config.json, *.safetensors,
                                        index, tokenizer, ...): give this path to the engine
-      staging/<key>.<pid>.<rand>/      a conversion in progress (becomes entries/<key> by rename)
-      staging/<key>.<pid>.<rand>.json  its owner (pid, host, boot id, start time), reserved bytes and
+      staging/<key>-<tag>.<pid>.<rand>/      a conversion in progress (becomes entries/<key>-<tag>)
+      staging/<key>-<tag>.<pid>.<rand>.json  its owner (pid, host, boot id, start time), reserved bytes and
                                        progress (state, converter's latest update), rewritten <= 4x/s
       locks/<key>.lock                 flock held by the converting process (JSON owner inside);
                                        exists only while a conversion runs
@@ -50,7 +52,10 @@ On-disk layout (everything a person needs can be read with ``ls`` and ``cat``)
 Rules
 -----
 - Modes: ``entries/`` and ``staging/`` 0711 (others pass through to the paths the daemon gave them, and list
-  nothing), every other directory 0700: the stat cache names every source, the rest names keys.
+  nothing), every other directory 0700: the stat cache names every source, the rest names keys. A key does not
+  open its entry (anyone may compute a key from what the Hub shows): the tag does, and only the cache's owner
+  (and root) can make it (:mod:`.names`); entries named otherwise (a bare key: the layout before) are moved under
+  their names when their owner opens the cache.
 - Keys (:mod:`.keys`): blake3 over the recipe, the sorted list of (relative name, size, content
   id) of every non-hidden file under the source directory (recursively, following symlinks), and who
   could rewrite those files in place (:func:`.keys.source_writers`). Content ids are ``blake3:`` of the
@@ -59,14 +64,14 @@ Rules
   ``hf download --local-dir`` directories, from the etags huggingface_hub records there.
 - Publishing: the converter writes ``staging/<name>/checkpoint``; every file is digested,
   fsynced and made read-only (0444; directories 0555), ``manifest.json`` is written and fsynced,
-  the staging directory is fsynced and renamed to ``entries/<key>``, and ``entries/`` is fsynced.
+  the staging directory is fsynced and renamed to ``entries/<key>-<tag>``, and ``entries/`` is fsynced.
   Only ``entries/`` is ever served, so a half-written entry is never visible. A second finisher
   finds the entry present and discards its own staging.
 - Single flight: one process per key holds ``locks/<key>.lock``; the others poll, report its
   progress, and return the same entry. A lock held by a dead process is released by the kernel,
   so the next caller takes over. Staging and locks left by dead processes are removed when a
   :class:`Cache` is created and before every conversion.
-- Last use: the modification time of ``entries/<key>/`` (set on every lookup; ``ls -lt entries``
+- Last use: the modification time of ``entries/<key>-<tag>/`` (set on every lookup; ``ls -lt entries``
   lists entries most recently used first).
 - Budget: ``Cache(budget_bytes=)`` > ``$TRANSFORMD_CACHE_BUDGET`` > ``config.json`` (written at
   creation as 90% of the file system's free space then). Sizes accept ``500G``, ``1.5TiB``,

@@ -216,7 +216,7 @@ class Hasher:
                 raise self._error
             self.converted(update)
             if self._done.is_set() and self.key is not None:
-                entry = self._cache.entries_dir / self.key / MANIFEST_NAME
+                entry = self._cache.entry_dir(self.key) / MANIFEST_NAME
                 if self.key_lock is None or entry.exists():
                     raise _AlreadyCached(self.key)
                 writer.key = self.key

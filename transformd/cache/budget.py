@@ -143,7 +143,8 @@ class BudgetMixin:
         except FileNotFoundError:
             return []
         for name in names:
-            if not KEY_RE.fullmatch(name):
+            key = self.key_of_entry(name)
+            if key is None:  # (not an entry's name: see .names)
                 continue
             d = self.entries_dir / name
             try:
@@ -151,10 +152,10 @@ class BudgetMixin:
             except OSError:
                 continue
             try:
-                size = Entry(name, d, last_used).size_bytes
+                size = Entry(key, d, last_used).size_bytes
             except (OSError, ValueError, KeyError, TypeError):
                 size = _du(d)
-            out.append(_EntryInfo(name, d, last_used, size))
+            out.append(_EntryInfo(key, d, last_used, size))
         return out
 
     def _used_bytes(self) -> int:
@@ -244,7 +245,7 @@ class BudgetMixin:
         """Rename an entry out of ``entries/`` (the atomic removal step); drop its leases."""
         dest = self.trash_dir / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            os.rename(self.entries_dir / key, dest)
+            os.rename(self.entry_dir(key), dest)
         except FileNotFoundError:
             return None
         rmtree_force(self.leases_dir / key)
@@ -303,7 +304,7 @@ class BudgetMixin:
         """
         validate_key(key)
         with self._gc_lock():
-            d = self.entries_dir / key
+            d = self.entry_dir(key)
             if not d.exists():
                 raise EntryNotFoundError(key, self.root)
             live = [lease for lease in read_leases(self.leases_dir, key) if lease.is_live()]

@@ -159,10 +159,10 @@ class LeaseMixin:
 
     def _write_lease_checked(self, lease: Lease) -> None:
         with self._gc_lock(shared=True):
-            if not (self.entries_dir / lease.key / MANIFEST_NAME).exists():
+            if not (self.entry_dir(lease.key) / MANIFEST_NAME).exists():
                 raise EntryNotFoundError(lease.key, self.root)
             write_lease(self.leases_dir, lease)
-        self._touch(self.entries_dir / lease.key)
+        self._touch(self.entry_dir(lease.key))
 
     def release_lease(self, lease: Lease | str, key: str | None = None) -> bool:
         """Remove a lease (a :class:`Lease`, or its id with ``key``). False if it was already gone."""

@@ -209,7 +209,7 @@ class StatusMixin:
     def status(self, key: str) -> ConversionStatus | None:
         """``ready``, ``converting``/``publishing`` (with progress), ``failed`` (recently, with the error), or None."""
         validate_key(key)
-        if (self.entries_dir / key / MANIFEST_NAME).exists():
+        if (self.entry_dir(key) / MANIFEST_NAME).exists():
             return ConversionStatus(key=key, state="ready")
         st = self._in_flight_status(key)
         if st is not None:

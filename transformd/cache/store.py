@@ -53,13 +53,13 @@ from .keys import (
     hash_own_file,
     identity_of_tree,
     source_identity,
-    validate_key,
 )
 from .lease import (
     LeaseMixin,
 )
 from .lock import FileLock, SharedExclusiveLock, process_identity
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest, jsonable
+from .names import EntryNames, NamesMixin
 from .seal import DigestsAlongside
 from .securefs import SourceTree, open_source
 from .status import ConversionStatus, StatusMixin, Waiter, _StatusWriter
@@ -127,9 +127,7 @@ def existing_root(root: str | os.PathLike[str] | None = None) -> Path:
     return path
 
 
-
-
-class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
+class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin, NamesMixin):
     """A content-addressed cache of converted checkpoints under one root directory.
 
     A source that must be read to know its key (the stat cache does not know its files) is converted while
@@ -163,11 +161,13 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
             parse_size(budget_bytes, total=1)  # validate early
         #: test hook: called with a phase name at each step of a conversion (see _convert_locked)
         self._fault_hook: Callable[[str], None] | None = None
+        self._names = EntryNames(self.root)  # (an entry's directory is named under the cache's secret: .names)
         self._ensure_layout()
         self.stat_cache = StatCache(self.root / "stat-cache")
         #: real paths every source file must resolve inside (checked on the open descriptors); None: no check
         self.allowed_roots: tuple[str, ...] | None = None
         if cleanup and self.written_here():
+            self._migrate_entry_names()
             self.cleanup()
 
     # ------------------------------------------------------------------ layout
@@ -229,6 +229,8 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                 os.replace(tmp, tag)
             if not self.config_path.exists():
                 self._create_config()
+            if self.written_here():
+                self._names.ensure()
         except OSError as e:
             if is_no_space(e):
                 raise DiskFullError(
@@ -358,8 +360,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
 
     def get(self, key: str, *, touch: bool = True) -> Entry | None:
         """The entry with ``key``, or None. ``touch`` marks it as used (LRU)."""
-        validate_key(key)
-        d = self.entries_dir / key
+        d = self.entry_dir(key)
         try:
             st = os.stat(d / MANIFEST_NAME)
         except (FileNotFoundError, NotADirectoryError):
@@ -522,7 +523,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
         name of this conversion, ``ident`` None); the entry is published under the key it gives, and the
         conversion stops with :class:`_AlreadyCached` once that key has an entry or another converter."""
         self.cleanup(_held_key=key)
-        name = f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
+        name = f"{self.entry_name(key)}.{os.getpid()}.{secrets.token_hex(4)}"  # (named as its entry: not guessable)
         stage = self.staging_dir / name
         status_path = self.staging_dir / f"{name}.json"
         estimate = sum(f.st.st_size for f in tree.files) + ENTRY_OVERHEAD_BYTES
@@ -578,7 +579,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                 files=files,
                 created_at=time.time(),
                 timings={k: round(v, 6) for k, v in timings.items()},
-                result=_relocate(result, str(stage), str(self.entries_dir / key)),
+                result=_relocate(result, str(stage), str(self.entry_dir(key))),
                 transformd_version=__version__,
                 host=writer.owner["host"],
             )
@@ -587,9 +588,9 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
             fsync_path(stage)
             self._hook("before-rename")
             try:
-                os.rename(stage, self.entries_dir / key)
+                os.rename(stage, self.entry_dir(key))
             except OSError as e:
-                if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and (self.entries_dir / key / MANIFEST_NAME).exists():
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and (self.entry_dir(key) / MANIFEST_NAME).exists():
                     rmtree_force(stage)  # someone else published this key first: theirs stays
                     if hasher is not None:
                         raise _AlreadyCached(key) from None
@@ -597,7 +598,7 @@ class Cache(StatusMixin, BudgetMixin, LeaseMixin, VerifyMixin, AlongsideMixin):
                     raise
             fsync_path(self.entries_dir)
             self._hook("published")
-            self._touch(self.entries_dir / key)
+            self._touch(self.entry_dir(key))
             with contextlib.suppress(OSError):
                 os.unlink(self.failures_dir / f"{key}.json")
         except BaseException as exc:

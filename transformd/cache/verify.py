@@ -50,7 +50,7 @@ class VerifyMixin:
         """
         if key is not None:
             validate_key(key)
-            if not (self.entries_dir / key).is_dir():
+            if not self.entry_dir(key).is_dir():
                 raise EntryNotFoundError(key, self.root)
             keys = [key]
         else:
@@ -64,7 +64,7 @@ class VerifyMixin:
         return results
 
     def _check_entry(self, key: str) -> VerifyResult:
-        d = self.entries_dir / key
+        d = self.entry_dir(key)
         res = VerifyResult(key, ok=True)
         try:
             manifest = Manifest.read(d / MANIFEST_NAME)
@@ -114,7 +114,7 @@ class VerifyMixin:
         dest = self.quarantine_dir / f"{key}.{stamp}.{secrets.token_hex(2)}"
         with self._gc_lock():
             try:
-                os.rename(self.entries_dir / key, dest)
+                os.rename(self.entry_dir(key), dest)
             except FileNotFoundError:
                 return None
             rmtree_force(self.leases_dir / key)

@@ -119,8 +119,9 @@ class HeadStart:
         self._stopped = self._ended = False
         self._skipped: set[str] | None = None  # the worker's shards, once it stopped (the pipeline skips them)
         threads = threads if threads is not None else head_start_threads()
-        command = [sys.executable, "-m", __name__, str(out), Target(target).value, ScaleMode(scale_mode).value,
-                   str(threads)]
+        # (the output directory goes with the plan, on stdin: a command line is world-readable in /proc, and a cache
+        # entry's staging directory is named to be known only to those the daemon told: transformd.cache.names)
+        command = [sys.executable, "-m", __name__, Target(target).value, ScaleMode(scale_mode).value, str(threads)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # (this process's modules)
         fds = source_descriptors(plan)
         if min(fds, default=3) < 3:  # (the worker's own standard streams would take those numbers)
@@ -220,7 +221,7 @@ class HeadStart:
             return sorted(self._left)
 
     def _feed(self, plan: ConversionPlan) -> None:
-        raw = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        raw = pickle.dumps((str(self.out), plan), protocol=pickle.HIGHEST_PROTOCOL)
         with contextlib.suppress(OSError, ValueError):  # (a worker that died or was cancelled: nothing taken)
             self._proc.stdin.write(struct.pack("<Q", len(raw)) + raw)
             self._proc.stdin.flush()
@@ -453,12 +454,13 @@ def _read_scales(pair: MxPair, e: int, r0: int, r1: int, files: ShardFiles) -> t
 
 
 def _serve(argv: list[str]) -> int:
-    """The worker: ``OUT TARGET SCALE_MODE THREADS`` on the command line, the plan and then ``stop`` on stdin (EOF:
-    cancel)."""
-    out, target, scale_mode, threads = Path(argv[0]), Target(argv[1]), ScaleMode(argv[2]), int(argv[3])
+    """The worker: ``TARGET SCALE_MODE THREADS`` on the command line, the output directory and the plan and then
+    ``stop`` on stdin (EOF: cancel)."""
+    target, scale_mode, threads = Target(argv[0]), ScaleMode(argv[1]), int(argv[2])
     stdin, stdout = sys.stdin.buffer, sys.stdout
     size = struct.unpack("<Q", _read_exactly(stdin, 8))[0]
-    plan = pickle.loads(_read_exactly(stdin, size))  # (from the parent process, which made it)
+    where, plan = pickle.loads(_read_exactly(stdin, size))  # (from the parent process, which made it)
+    out = Path(where)
     lock = threading.Lock()
 
     def say(line: str) -> None:

@@ -49,8 +49,9 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
     there is no such daemon or it did not convert it (then the caller converts; a line on standard error says
     why, unless no daemon serves this cache). ``known``: this process's identity of ``src``, if it has one.
     ``entry.outcome`` is ``daemon`` (``hit`` when the daemon had it already). Not ``here`` (this process does not
-    write ``cache``: :meth:`~transformd.cache.Cache.written_here`), the entry is found by the key the daemon
-    answered with, and a daemon that did not convert it is a :class:`CacheError` saying why."""
+    write ``cache``: :meth:`~transformd.cache.Cache.written_here`), the entry is the one at the path the daemon
+    answered with, of the key it answered with, and a daemon that did not convert it is a :class:`CacheError`
+    saying why."""
     sock = default_socket_path()
     if not sock.exists():  # no daemon: not even httpx is imported
         return None
@@ -70,15 +71,16 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
                 raise _NotHere(f"is degraded ({'; '.join(map(str, health.get('problems') or [])) or 'no reason'})")
             reporter = ProgressReporter(sys.stderr, every_s=progress_every)
             asked = time.time()
-            resolve_with_progress(client, os.fspath(src), reporter, target=recipe.target,
-                                  scale_mode=recipe.scale_mode, select=recipe.select, poll_interval=POLL_INTERVAL_S)
+            path, _ = resolve_with_progress(client, os.fspath(src), reporter, target=recipe.target,
+                                            scale_mode=recipe.scale_mode, select=recipe.select,
+                                            poll_interval=POLL_INTERVAL_S)
             done = True
         if known is not None:
             entry = cache.get(cache_key(known, recipe))
         elif here:
             entry = cache.lookup(src, recipe)
-        else:  # another user's cache, not listed here: the entry of the key the daemon answered this caller with
-            entry = cache.get(client.last_key) if client.last_key else None
+        else:  # another user's cache, whose entry names this user cannot make (cache.names): the entry of the key
+            entry = cache.entry_at(client.last_key, path) if client.last_key else None  # and path it was answered
         # converted since it was asked (for this request, or for another at the same time), or cached before
         outcome = None if entry is None else "daemon" if entry.manifest.created_at >= asked else "hit"
     except KeyboardInterrupt:

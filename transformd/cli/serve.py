@@ -30,6 +30,7 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         "allow_download": args.allow_download,
         "max_concurrent_conversions": args.max_concurrent_conversions,
         "max_queued_conversions": args.max_queued_conversions,
+        "admin_uids": args.admin_uid,
         "log_level": args.log_level,
     }
     return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -122,6 +123,9 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         help="conversions waiting for a worker before requests get 503 (default 16)",
     )
+    p.add_argument("--admin-uid", metavar="UID", type=int, action="append",
+                   help="a uid that may see, release and delete every caller's leases and entries (repeatable; "
+                   "default: the daemon's own uid; root is an admin only when named)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                    help="log verbosity on standard error (default info)")
     p.set_defaults(handler=cmd_serve)

@@ -204,8 +204,8 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
             if "ttl_s" in ttl:
                 ttl["ttl_s"]["maximum"] = settings.max_lease_ttl_s
                 ttl["ttl_s"]["description"] = (
-                    f"{ttl['ttl_s'].get('description', '')} (this daemon: at most {settings.max_lease_ttl_s:g} s; "
-                    "above is 400)"
+                    f"{ttl['ttl_s'].get('description', '')} (this daemon: at most {settings.max_ttl_of(False):g} s "
+                    f"for a caller who is not an admin, {settings.max_lease_ttl_s:g} s for an admin; above is 400)"
                 ).strip()
             app.openapi_schema = doc
         return app.openapi_schema
@@ -367,7 +367,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         it), then the engine's check of the converted checkpoint (from the headers, in a source slot; 422)."""
         job = service.job(key)
         joins = job is not None and job.active
-        place = contextlib.nullcontext() if joins or d.is_admin(caller) else service.reserve(
+        place = contextlib.nullcontext() if joins else service.reserve(  # (admins' and root's too)
             caller.uid, key, d.settings.max_queued_per_caller, caller.describe())
         with place:
             if body.engine is not None and not joins:
@@ -535,27 +535,27 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     async def post_lease(key: KeyParam, request: Request, body: LeaseRequest | None = None) -> Response:
         check_key(key)
         caller = await authorize(request, key)
-        body = body or LeaseRequest(ttl_s=d.settings.default_lease_ttl_s)
-        if body.ttl_s > d.settings.max_lease_ttl_s:
+        longest = d.settings.max_ttl_of(d.is_admin(caller))  # (a reader's lease pins an entry for a bounded time)
+        body = body or LeaseRequest(ttl_s=min(d.settings.default_lease_ttl_s, longest))
+        if body.ttl_s > longest:
             raise ApiError(
                 400,
                 "bad_ttl",
-                f"ttl_s {body.ttl_s} is above the maximum of {d.settings.max_lease_ttl_s:.0f} s; renew instead",
+                f"ttl_s {body.ttl_s} is above the maximum of {longest:.0f} s for {caller.describe()}; renew instead",
             )
         job = service.job(key)
         if job is not None and job.active:
             raise ApiError(409, "conversion_in_progress", f"checkpoint {key} is still converting; lease it once ready")
         async with d.lease_turn(caller):  # (the count and the lease together: the cap holds under concurrency)
-            if not d.is_admin(caller):
-                held = await _thread(_live_leases_of, cache, caller.uid)
-                if held >= d.settings.max_leases_per_caller:
-                    raise ApiError(
-                        429,
-                        "too_many_leases",
-                        f"{caller.describe()} already holds {held} live leases (at most "
-                        f"{d.settings.max_leases_per_caller} per caller); release some (DELETE .../leases/ID) first",
-                        headers={"Retry-After": "60"},
-                    )
+            held = await _thread(_live_leases_of, cache, caller.uid)  # (an admin's and root's leases are counted too)
+            if held >= d.settings.max_leases_per_caller:
+                raise ApiError(
+                    429,
+                    "too_many_leases",
+                    f"{caller.describe()} already holds {held} live leases (at most "
+                    f"{d.settings.max_leases_per_caller} per caller); release some (DELETE .../leases/ID) first",
+                    headers={"Retry-After": "60"},
+                )
             try:
                 lease = await anyio.to_thread.run_sync(
                     lambda: cache.acquire_lease(key, body.ttl_s, holder=body.holder, pid=None, uid=caller.uid)

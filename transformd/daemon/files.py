@@ -2,13 +2,15 @@
 
 Entries are immutable once published, so what is read from them (the manifest, each shard's header)
 is remembered in memory, tied to the manifest's inode so that an entry removed and converted again is
-read afresh. Every function here blocks on the file system: call it from a worker thread.
+read afresh; each later serve checks that every file still has the size, inode and change time it had (one
+``stat`` each), so a shard deleted or truncated meanwhile is quarantined and converted again. Every function
+here blocks on the file system: call it from a worker thread.
 
 A file object (one shard)::
 
     {"name": "model-00001-of-00002.safetensors",
-     "path": "/cache/entries/<key>/checkpoint/model-00001-of-00002.safetensors",   # open this (null: not written yet)
-     "final_path": "/cache/entries/<key>/checkpoint/model-00001-of-00002.safetensors",
+     "path": "/cache/entries/<key>-<tag>/checkpoint/model-00001-of-00002.safetensors",  # open this (null: not yet)
+     "final_path": "/cache/entries/<key>-<tag>/checkpoint/model-00001-of-00002.safetensors",
      "size": 1234, "digest": "blake3:...",                                          # null until published
      "ready": true,
      "tensors": {"model.layers.0.mlp.experts.0.down_proj.weight":
@@ -56,6 +58,8 @@ class EntryInfo:
     timings: dict[str, float]
     files: tuple[FileRecord, ...]
     manifest_id: tuple[int, int]
+    #: each file's path and (size, inode, change time in ns) when this process first served the entry
+    stamps: tuple[tuple[str, tuple[int, int, int]], ...] = ()
 
     @property
     def shards(self) -> list[FileRecord]:
@@ -96,16 +100,41 @@ def file_object(
     }
 
 
-def _size_problems(path: Path, files: tuple[FileRecord, ...]) -> list[str]:
+def _size_problems(
+    path: Path, files: tuple[FileRecord, ...]
+) -> tuple[list[str], tuple[tuple[str, tuple[int, int, int]], ...]]:
+    """The files whose size is not the manifest's (or that are gone), and every file's stamp
+    (:func:`_stamp_problems`)."""
     problems = []
+    stamps = []
     for rec in files:
+        p = os.path.join(path, rec.name)
         try:
-            size = os.stat(path / rec.name).st_size
+            st = os.stat(p)
         except OSError as e:
             problems.append(f"{rec.name}: {e.strerror}")
             continue
-        if size != rec.size:
-            problems.append(f"{rec.name}: size {size} bytes, manifest says {rec.size}")
+        if st.st_size != rec.size:
+            problems.append(f"{rec.name}: size {st.st_size} bytes, manifest says {rec.size}")
+        stamps.append((p, (st.st_size, st.st_ino, st.st_ctime_ns)))
+    return problems, tuple(stamps)
+
+
+def _stamp_problems(stamps: tuple[tuple[str, tuple[int, int, int]], ...]) -> list[str]:
+    """The files of a served entry that are no longer as they were when first served: gone, replaced (another
+    inode), or changed (size or change time: a truncation, a write, a chmod). One ``stat`` per file, no read: a hit
+    stays in microseconds, and a shard deleted or truncated after the first serve is noticed on the next."""
+    problems = []
+    for p, (size, ino, ctime) in stamps:
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            problems.append(f"{os.path.basename(p)}: {e.strerror}")
+            continue
+        if st.st_size != size:
+            problems.append(f"{os.path.basename(p)}: size {st.st_size} bytes, {size} when it was first served")
+        elif st.st_ino != ino or st.st_ctime_ns != ctime:
+            problems.append(f"{os.path.basename(p)}: replaced or changed since it was first served")
     return problems
 
 
@@ -124,7 +153,7 @@ class EntryIndex:
         self._started = time.time()
 
     def final_dir(self, key: str) -> Path:
-        return self.cache.entries_dir / key / "checkpoint"
+        return self.cache.entry_dir(key) / "checkpoint"
 
     def info(self, key: str, *, touch: bool = False) -> EntryInfo | None:
         """The published entry ``key`` or None (``touch`` marks it as used for the LRU eviction)."""
@@ -140,14 +169,19 @@ class EntryIndex:
             info = self._infos.get(key)
             if info is not None and info.manifest_id == mid:
                 self._infos.move_to_end(key)
-                return info
+        if info is not None and info.manifest_id == mid:  # served before: its files must still be as they were
+            problems = _stamp_problems(info.stamps)
+            if problems:
+                self.quarantine(key, problems)
+                return None
+            return info
         try:
             manifest = Manifest.read(entry.root / MANIFEST_NAME)
         except (OSError, ValueError, KeyError, TypeError):
             return None  # vanished or unreadable (verify quarantines corrupt entries)
         # The first time this process serves the entry: sizes now (cheap), digests in the background. A damaged
         # entry is quarantined, so the next request for its source converts it again.
-        problems = _size_problems(entry.path, manifest.files)
+        problems, stamps = _size_problems(entry.path, manifest.files)
         if problems:
             self.quarantine(key, problems)
             return None
@@ -164,6 +198,7 @@ class EntryIndex:
             timings=dict(manifest.timings),
             files=manifest.files,
             manifest_id=mid,
+            stamps=stamps,
         )
         with self._lock:
             self._infos[key] = info

@@ -16,7 +16,9 @@ setting (flag)                         environment variable                     
 ``allow_download``                     ``TRANSFORMD_ALLOW_DOWNLOAD``               off: never downloads
 ``max_concurrent_conversions``         ``TRANSFORMD_MAX_CONCURRENT_CONVERSIONS``   1
 ``max_queued_conversions``             ``TRANSFORMD_MAX_QUEUED_CONVERSIONS``       16
-``max_lease_ttl_s``                    ``TRANSFORMD_MAX_LEASE_TTL_S``              7 days
+``max_lease_ttl_s``                    ``TRANSFORMD_MAX_LEASE_TTL_S``              7 days (an admin's leases)
+``max_caller_lease_ttl_s``             ``TRANSFORMD_MAX_CALLER_LEASE_TTL_S``       1 day (anyone else's)
+``admin_uids`` (``--admin-uid``)       ``TRANSFORMD_ADMIN_UIDS`` (commas)          the daemon's own uid
 ``log_level`` (``--log-level``)        ``TRANSFORMD_LOG_LEVEL``                    ``info``
 =====================================  ==========================================  =============================
 
@@ -30,8 +32,10 @@ converter inject it (``create_app(converter=...)``, ``serve(settings, converter=
 Callers (see :mod:`.peers`): on the unix socket, the peer's uid and groups from the kernel; every TCP token holder
 is one identity, ``tcp_uid``/``tcp_gids`` (``TRANSFORMD_TCP_UID``, ``TRANSFORMD_TCP_GIDS``: comma-separated),
 by default the daemon's own user and groups (so the token grants what the daemon may read). ``admin_uids``
-(``TRANSFORMD_ADMIN_UIDS``; default root and the daemon's uid) may act on every entry and lease.
-``max_leases_per_caller`` (64) and ``max_queued_per_caller`` (4) bound what one uid can hold and queue.
+(``--admin-uid``, repeatable; ``TRANSFORMD_ADMIN_UIDS``; default the daemon's own uid only: root is no one's admin
+unless named, engine containers often run as root) may see, release and delete every lease and entry.
+``max_leases_per_caller`` (64) and ``max_queued_per_caller`` (4) bound what one uid can hold and queue, an admin's
+and root's too; a lease of a caller who is not an admin lasts at most ``max_caller_lease_ttl_s`` (renew it).
 
 Listeners: a unix socket by default. ``--port`` opens a TCP listener (on ``--host``, loopback by
 default) and then requires ``--token-file``; with a port, the unix socket is opened too only
@@ -98,14 +102,16 @@ class Settings(BaseSettings):
     allow_download: bool = Field(False, description="download repo ids that are not in the hub cache")
     max_concurrent_conversions: int = Field(1, ge=1, le=64)
     max_queued_conversions: int = Field(16, ge=0, le=100_000, description="conversions waiting for a worker")
-    max_lease_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
+    max_lease_ttl_s: float = Field(7 * 24 * 3600.0, gt=0, description="longest lease of an admin")
+    #: longest lease of a caller who is not an admin: a reader pins an entry against eviction for this long at most
+    max_caller_lease_ttl_s: float = Field(24 * 3600.0, gt=0, description="longest lease of a caller not an admin")
     default_lease_ttl_s: float = Field(3600.0, gt=0)
     #: uid and gids every TCP token holder acts as (default: the daemon's own user and groups)
     tcp_uid: int | None = Field(None, ge=0, description="uid of TCP token holders (default: the daemon's)")
     tcp_gids: Annotated[list[int], NoDecode] = Field(
         default_factory=list, description="gids of TCP token holders (default: the daemon's)"
     )
-    #: uids that may act on every lease and entry (default: root and the daemon's own uid)
+    #: uids that may act on every lease and entry (default: the daemon's own uid; root only when named)
     admin_uids: Annotated[list[int], NoDecode] = Field(default_factory=list, description="admin uids")
     max_leases_per_caller: int = Field(64, ge=1, le=100_000, description="live leases one uid may hold")
     max_queued_per_caller: int = Field(4, ge=1, le=100_000, description="queued conversions of one uid")
@@ -180,8 +186,14 @@ class Settings(BaseSettings):
         return Caller(uid, gids, None, "tcp")
 
     def admins(self) -> frozenset[int]:
-        """uids that may act on every lease and entry."""
-        return frozenset(self.admin_uids) if self.admin_uids else frozenset({0, os.geteuid()})
+        """uids that may act on every lease and entry: ``admin_uids``, else the daemon's own uid alone (root is not
+        an admin by being root: engine containers often run as root without a user namespace)."""
+        return frozenset(self.admin_uids) if self.admin_uids else frozenset({os.geteuid()})
+
+    def max_ttl_of(self, admin: bool) -> float:
+        """The longest lease a caller may take: ``max_lease_ttl_s`` for an admin, else the shorter of it and
+        ``max_caller_lease_ttl_s``."""
+        return self.max_lease_ttl_s if admin else min(self.max_lease_ttl_s, self.max_caller_lease_ttl_s)
 
     def resolved_allow_roots(self) -> list[Path]:
         """The allowed roots with symlinks resolved (roots that do not exist yet are resolved as far as they do)."""

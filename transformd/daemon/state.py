@@ -108,6 +108,8 @@ class Daemon:
             raise error_for_exception(e) from None
 
     def is_admin(self, caller: Caller) -> bool:
+        """Whether ``caller`` may act on others' leases and entries (``--admin-uid``; root only when named). Admin
+        rights lift no cap on what a caller holds: leases and queued conversions are counted for everyone."""
         return caller.uid in self.settings.admins()
 
     def grant(self, key: str, caller: Caller) -> None:
@@ -117,7 +119,7 @@ class Daemon:
 
     def may_see(self, key: str, caller: Caller) -> bool | None:
         """True when ``caller`` may be served ``key`` without another check; None: check the source (blocking)."""
-        if caller.uid == 0 or self.is_admin(caller) or caller.uid in self.readers.get(key, ()):
+        if self.is_admin(caller) or caller.uid in self.readers.get(key, ()):
             return True
         return None
 
@@ -143,7 +145,7 @@ class Daemon:
         """Held (``async with``) by a caller's request while it works on its source (the hub lookup, the hashing,
         the checks): at most :data:`SOURCE_WORK_PER_CALLER` of a uid's requests at once, so that one uid's slow
         sources (fresh 20 GiB files to hash, say) keep the others' cached lookups from none of the source threads
-        (:data:`.service.SOURCE_THREADS`); an admin's are not counted."""
+        (:data:`.service.SOURCE_THREADS`); an admin's are not counted (root's are, unless named an admin)."""
         if self.is_admin(caller):
             return contextlib.nullcontext()
         slots = self._source_slots.get(caller.uid)
