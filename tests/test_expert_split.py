@@ -144,7 +144,7 @@ def test_no_engine_named_refuses_what_an_engine_misloads(tmp_path: Path, capsys,
     monkeypatch.delenv(ENGINE_ENV, raising=False)
     src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2, fused_experts=True)
     with pytest.raises(CheckpointError, match="no engine named") as refused:
-        convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu")
+        convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", require_engine=True)
     said = str(refused.value)
     assert "sglang: model.layers.*.mlp.experts" in said and "transformers:" in said
     assert "vllm, sglang load it" in said and "--engine vllm" in said and "--engine raw" in said and ENGINE_ENV in said
@@ -170,7 +170,7 @@ def test_scale_renaming_loader_is_refused_without_an_engine(tmp_path: Path) -> N
 
     src = minimax(tmp_path / "src", arch="MiniMaxM3SparseForCausalLM")
     with pytest.raises(CheckpointError, match=r"no engine named.*vllm: vllm's loader for MiniMaxM3SparseForCausalLM"):
-        convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu")
+        convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", require_engine=True)
     with pytest.raises(CheckpointError, match="no layout of the output changes that"):
         convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", engine="vllm")
 
@@ -180,3 +180,15 @@ def test_engine_from_the_environment() -> None:
     assert engine_from_env({ENGINE_ENV: "sglang"}) == "sglang"
     with pytest.raises(ValueError, match=f"{ENGINE_ENV}='vllm2' is not an engine"):
         engine_from_env({ENGINE_ENV: "vllm2"})
+
+
+def test_report_compares_each_expert_of_a_split_stack(tmp_path: Path) -> None:
+    """``convert --report`` / ``inspect SRC OUT`` of a per-expert output: every expert against its stack's rows."""
+    from transformd.report import compare_checkpoints
+
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2, fused_experts=True)
+    convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", engine="sglang")
+    report = compare_checkpoints(src, tmp_path / "out")
+    names = {row.name for row in report.rows}
+    assert {f"{P}.{e}.{p}.weight" for e in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")} <= names
+    assert report.overall.exact_fraction > 0.9 and report.overall.rel_l2 < 1e-4

@@ -83,14 +83,16 @@ def convert_checkpoint(
     engine: Engine | str | None = None,
     head_start: bool | None = None,
     layout: Layout | str | None = None,
+    require_engine: bool = False,
 ) -> ConversionResult:
     """Convert the MXFP8 checkpoint directory ``src`` into a block-FP8 checkpoint directory ``out``.
 
     ``engine`` (vllm, sglang, transformers): refuse, before anything is written, a checkpoint that engine
-    could not load at any tensor-parallel size (see :mod:`transformd.engines`); None: refuse one that any engine
-    would load wrong without an error (name ``raw`` for transformd.loader or your own kernels: no check); the
-    result's ``readiness`` reports every engine either way. ``layout`` (:mod:`.layout`; None: the one ``engine``
-    loads, per-expert expert tensors for SGLang, else the source's).
+    could not load at any tensor-parallel size (see :mod:`transformd.engines`); None with ``require_engine`` (as
+    ``transformd convert`` calls it): refuse one that any engine would load wrong without an error (name ``raw`` for
+    transformd.loader or your own kernels: no check); the result's ``readiness`` reports every engine either way.
+    ``layout`` (:mod:`.layout`; None: the one ``engine`` loads, per-expert expert tensors for SGLang, else the
+    source's).
 
     Refuses a non-empty ``out`` unless ``overwrite``. Everything is written to a
     staging directory next to ``out`` and renamed into place at the end; on any
@@ -133,7 +135,8 @@ def convert_checkpoint(
         plan = plan_conversion(src, select=select, layout=layout_for(engine) if layout is None else layout)
         # refused before anything is written: what the named engine cannot load, or, with none named, what an
         # engine would load wrong without an error (0.14-0.28 s for 20,589 tensors on the H200 machine)
-        report = plan_readiness(plan, target) if engine is None or Engine(engine) is not Engine.RAW else None
+        checked = engine is not None and Engine(engine) is not Engine.RAW
+        report = plan_readiness(plan, target) if checked or (engine is None and require_engine) else None
         if report is not None:
             check_engine(report, engine, src, plan, target)
         needed = output_bytes(plan, target)

@@ -205,6 +205,7 @@ def _run_convert(args: argparse.Namespace) -> int:
             progress=update,
             engine=args.engine,
             head_start=False if args.no_head_start else None,
+            require_engine=True,  # (no engine named: refused if one would load it wrong without an error)
         )
     _print_outcome(result.readiness, args.engine, target, why)
     if result.left_out:
