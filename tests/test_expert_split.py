@@ -192,3 +192,48 @@ def test_report_compares_each_expert_of_a_split_stack(tmp_path: Path) -> None:
     names = {row.name for row in report.rows}
     assert {f"{P}.{e}.{p}.weight" for e in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")} <= names
     assert report.overall.exact_fraction > 0.9 and report.overall.rel_l2 < 1e-4
+
+
+def test_daemon_refuses_without_an_engine_and_splits_for_sglang(tmp_path: Path, daemons, monkeypatch,
+                                                                 capsys) -> None:
+    """The daemon's answer path: no engine named, a checkpoint an engine misloads is 422 ``engine_needed`` (before
+    anything is converted); SGLang gets the per-expert layout, its own entry; ``resolve`` takes TRANSFORMD_ENGINE."""
+    from transformd.engines import Platform
+
+    from .support.daemon import wait_ready
+
+    models = tmp_path / "models"
+    fused = write_sample_checkpoint(models / "fused", layers=1, experts=2, fused_experts=True)
+    daemon = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[models], platform=Platform("amd", "gfx942"))
+    try:
+        with daemon.client() as http:
+            refused = http.post("/v1/checkpoints", json={"source": str(fused)})
+            assert refused.status_code == 422, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "engine_needed" and "sglang" in error["message"] and "--engine" in error["message"]
+            assert http.get("/v1/cache").json()["conversions"] == [], "nothing started for a refused request"
+            sglang = http.post("/v1/checkpoints", json={"source": str(fused), "engine": "sglang"})
+            ready = wait_ready(http, sglang.json()["key"])
+            assert ready["recipe"].get("layout") == "per-expert", ready["recipe"]
+            assert ready["readiness"]["sglang"]["loads_at"] == [1] and ready["readiness"]["sglang"]["misloads"] == []
+            assert (Path(ready["path"]) / "config.json").is_file()
+            assert f"{P}.0.up_proj.weight" in json.loads(
+                (Path(ready["path"]) / "model.safetensors.index.json").read_text())["weight_map"]
+            vllm = http.post("/v1/checkpoints", json={"source": str(fused), "engine": "vllm"})
+            assert vllm.json()["key"] != sglang.json()["key"], "other bytes, other entry"
+            assert wait_ready(http, vllm.json()["key"])["readiness"]["vllm"]["loads_at"] == [1]
+        # transformd resolve: the engine from the environment; without one, refused (exit 2)
+        socket = ["--socket", str(daemon.socket_path)]
+        monkeypatch.delenv(ENGINE_ENV, raising=False)
+        assert cli.main(["resolve", str(fused), *socket]) == 2
+        said = capsys.readouterr().err
+        assert "no engine named" in said and "engine_needed" in said and "--engine vllm" in said, said
+        monkeypatch.setenv(ENGINE_ENV, "sglang")
+        assert cli.main(["resolve", str(fused), *socket]) == 0
+        out, err = capsys.readouterr()
+        assert out.strip() == ready["path"] and "transformd: sglang: loads at TP 1" in err
+        monkeypatch.setenv(ENGINE_ENV, "nope")
+        assert cli.main(["resolve", str(fused), *socket]) == 2
+        assert "TRANSFORMD_ENGINE='nope' is not an engine" in capsys.readouterr().err
+    finally:
+        daemon.stop()
