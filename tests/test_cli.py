@@ -207,9 +207,9 @@ def test_sample_options_reach_the_checkpoint(tmp_path: Path, capsys) -> None:
                            "--scale-suffix", "weight_scale_inv", "--fused-experts")
     assert code == 0 and stdout[-1] == str(tmp_path / "s")
     tensors = load_file(str(tmp_path / "s" / "model.safetensors"))
-    fused = tensors["model.layers.0.mlp.experts.down_proj.weight"]
+    fused = tensors["model.layers.0.mlp.experts.down_proj"]  # HF-v5 fused naming
     assert fused.dim() == 3 and fused.shape[0] == 2
-    assert "model.layers.0.mlp.experts.down_proj.weight_scale_inv" in tensors
+    assert "model.layers.0.mlp.experts.down_proj_scale_inv" in tensors
 
 
 def test_one_parser_holds_every_command_of_every_module() -> None:

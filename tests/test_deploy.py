@@ -209,6 +209,7 @@ def test_compose_file():
     command = " ".join(engine["entrypoint"] + engine["command"])
     assert "transformd resolve /models/" in command and f"--socket {SOCKET}" in command
     assert "vllm serve" in command and "--target ocp" in command
+    assert "--engine vllm" in command, "the hook names its engine (issue 44): else a silent misload is refused"
     # `$$` is compose's escape for a `$` the shell must see; a bare `$(` would be a compose interpolation error.
     assert re.search(r"(?<!\$)\$\(", command) is None and "$$(transformd resolve" in command
 
@@ -242,3 +243,4 @@ def test_kubernetes_pod():
     command = " ".join(engine["command"] + engine["args"])
     assert "transformd resolve /models/" in command and f"--socket {SOCKET}" in command
     assert "vllm serve" in command and "--target ocp" in command
+    assert "--engine vllm" in command, "the hook names its engine (issue 44): else a silent misload is refused"

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from transformd import cli
 from transformd.checkpoint import CheckpointError, convert_checkpoint, readiness_of_dir
-from transformd.engines import Engine, Platform, choose_target, readiness
+from transformd.engines import Engine, Platform, choose_target, readiness, readiness_line
 from transformd.quant_config import excluded_by
 from transformd.reference import dequantize_block, dequantize_mx
 from transformd.safetensors_io import read_header
@@ -191,11 +191,21 @@ def _qwen3_like(moe_inter: int, *, heads: int = 32, kv: int = 4, hidden: int = 2
 
 
 def test_qwen3_30b_a3b_moe_loads_at_tp1_and_tp2_only() -> None:
-    """768 / 4 = 192 is not a multiple of 128: vLLM and SGLang refuse TP 4 and 8 (the issue's measurement)."""
+    """768 / 4 = 192 is not a multiple of 128: SGLang refuses TP 4 and 8 (the issue's measurement); vLLM's Triton MoE
+    refines the block scales to 64x64 (192) and 32x32 (96), so there it may load, and says with what (issue 44)."""
     report = readiness(*_qwen3_like(768))
     assert report["vllm"].loads_at == [1, 2] and report["sglang"].loads_at == [1, 2]
-    assert any(p.startswith("TP 4:") and "192" in p for p in report["vllm"].problems), report["vllm"].problems
+    assert any(p.startswith("TP 4:") and "192" in p for p in report["sglang"].problems), report["sglang"].problems
+    vllm = report["vllm"]
+    assert vllm.may_load_at == [4, 8] and vllm.problems == [], vllm
+    assert "TP 4:" in vllm.conditions[0] and "192" in vllm.conditions[0] and "64x64" in vllm.conditions[0]
+    assert "TP 8:" in vllm.conditions[1] and "32x32" in vllm.conditions[1]
+    assert readiness_line(vllm.loads_at, vllm.problems, vllm.may_load_at) == "loads at TP 1,2; may load at TP 4,8"
     assert report["transformers"].loads_at == [1]
+    # 640 / 8 = 80 rows per rank: gcd(128, 80) = 16 < 32, which the Triton MoE cannot refine to: not loaded
+    odd = readiness(*_qwen3_like(640))["vllm"]
+    assert odd.may_load_at == [2, 4] and odd.loads_at == [1], odd  # (320: 64x64; 160: 32x32)
+    assert any(p.startswith("TP 8:") and "80" in p for p in odd.problems), odd.problems
 
 
 def test_the_old_sample_shapes_are_reported_not_loadable_in_sglang() -> None:
@@ -344,12 +354,14 @@ def test_engine_that_cannot_load_is_refused_before_anything_is_written(tmp_path:
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu", "--engine", "sglang"]) == 2
     assert "sglang could not load" in capsys.readouterr().err
-    # without --engine: converted, with a warning per engine that cannot load it
+    # without --engine: converted (no engine would load it wrong without an error), with a warning per engine that
+    # cannot load it (its first reason and how many more)
     assert cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 0
     *err, summary = capsys.readouterr().err.splitlines()
     assert len(err) == 4 and all(line.startswith("transformd: warning: ") for line in err), err
     assert "vllm could not load" in err[0] and "--kv-cache-dtype fp8" in err[1]  # (the sample asks for an FP8 KV)
     assert "sglang could not load this checkpoint at any TP size: TP 1: model.layers.*" in err[2]
+    assert "more: transformd inspect DIR)" in err[2]
     assert summary.startswith("transformd: converted ")
     assert cli.main(["inspect", str(tmp_path / "out")]) == 2
     out = capsys.readouterr().out
@@ -384,8 +396,12 @@ def test_inspect_a_loadable_dir(tmp_path: Path, capsys) -> None:
     assert cli.main(["inspect", str(tmp_path / "out")]) == 0
     lines = capsys.readouterr().out.splitlines()
     heads = [line for line in lines if not line.startswith(" ")]
-    assert heads == ["vllm: loads at TP 1", "sglang: loads at TP 1", "transformers: loads at TP 1", str(tmp_path / "out")]
-    assert "  TP 2: model.layers.*.block_sparse_moe.experts: MoE intermediate size per rank 64" in "\n".join(lines)
+    assert heads == ["vllm: loads at TP 1; may load at TP 2", "sglang: loads at TP 1", "transformers: loads at TP 1",
+                     str(tmp_path / "out")]
+    text = "\n".join(lines)
+    assert ("  may load, TP 2: model.layers.*.block_sparse_moe.experts: MoE intermediate size per rank 64 (= 128 / 2) "
+            "is not a multiple of 128, with vLLM's Triton MoE, which refines the block scales to 64x64") in text
+    assert "  (rules: vLLM 0.33.0 (read); engine check: 0.33.0, 0.34.0)" in lines
     # an edited config whose block size is not 128x128 does not load right (it said "loads": an attack review)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     for block in ([0, 128], "x", None, [128, 128, 1]):

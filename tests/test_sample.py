@@ -177,13 +177,14 @@ def test_fused_experts(tmp_path: Path):
     ckpt = write_sample_checkpoint(tmp_path / "s", layers=1, experts=3, fused_experts=True)
     tensors = _tensors(ckpt)
     p = "model.layers.0.mlp.experts"
-    assert tensors[f"{p}.gate_up_proj.weight"][1:] == ("F8_E4M3", [3, 256, 256])
-    assert tensors[f"{p}.gate_up_proj.weight_scale"][1:] == ("U8", [3, 256, 8])
-    assert tensors[f"{p}.down_proj.weight"][1:] == ("F8_E4M3", [3, 256, 128])
-    assert tensors[f"{p}.down_proj.weight_scale"][1:] == ("U8", [3, 256, 4])
-    assert not any(".experts.0." in n for n in tensors)
+    # transformers 5's fused naming (no .weight; vLLM reads only this), ModelOpt's scale suffix
+    assert tensors[f"{p}.gate_up_proj"][1:] == ("F8_E4M3", [3, 256, 256])
+    assert tensors[f"{p}.gate_up_proj_scale"][1:] == ("U8", [3, 256, 8])
+    assert tensors[f"{p}.down_proj"][1:] == ("F8_E4M3", [3, 256, 128])
+    assert tensors[f"{p}.down_proj_scale"][1:] == ("U8", [3, 256, 4])
+    assert not any(".experts.0." in n or n.startswith(f"{p}.") and ".weight" in n for n in tensors)
     # Experts differ from each other.
-    codes = _load(ckpt, tensors[f"{p}.down_proj.weight"][0], f"{p}.down_proj.weight").view(torch.uint8)
+    codes = _load(ckpt, tensors[f"{p}.down_proj"][0], f"{p}.down_proj").view(torch.uint8)
     assert not torch.equal(codes[0], codes[1])
 
 

@@ -10,17 +10,27 @@ source itself is served, as the engines' own MX paths expect. An explicit target
 
 **Readiness**: block FP8 needs 128-alignment that MXFP8 does not (rules read from vLLM 0.33
 ``fp8_utils.validate_fp8_block_shape`` / ``linear.py`` and its MoE variant, SGLang 0.5.23
-``fp8.py validate_block_quant_shapes`` and its MoE check, transformers 5 ``FineGrainedFP8``'s dequantize).
+``fp8.py validate_block_quant_shapes`` and its MoE check, transformers 5 ``FineGrainedFP8``'s dequantize; the
+versions each engine's rules were read from and checked against are :data:`RULES_FROM`, carried in every report).
 :func:`readiness` computes, from the output's tensor shapes and the model config, at which tensor-parallel
-sizes each engine loads the checkpoint correctly, and names the tensor and rule that stops the others. A
+sizes each engine loads the checkpoint correctly, and names every tensor and rule that stops the others. A
 merged layer whose shards are not aligned is a *problem*, not a warning: vLLM then skips its check and loads
-scales at the wrong rows, which computes garbage without an error.
+scales at the wrong rows, which computes garbage without an error. Where the engine may still load what the rules
+refuse, under a condition (vLLM's Triton MoE refines the block of a rank's unaligned expert share), that TP size is
+``may_load_at``, with the condition. Problems with which an engine loads the checkpoint *without an error* at every
+TP size and computes garbage are also its ``misloads``: a conversion that names no engine refuses a checkpoint any
+engine misloads (:func:`misloaded_by`), since whoever loads it would never be told.
+
+**Which engine**: ``--engine``, else :data:`ENGINE_ENV` (set once in the engine's container). It is not guessed from
+the calling process: the start-up hook runs before the engine (``vllm serve "$(transformd resolve ...)"``: its
+parent is a shell, the engine does not exist yet), so no process says which engine will load the output.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,6 +40,15 @@ from .platform import Platform
 from .quant_config import FP8_DTYPES, kv_cache_fp8
 from .quant_config import TILE as BLOCK
 
+#: The environment variable that names the engine when ``--engine`` is not given (set it in the engine's container).
+ENGINE_ENV = "TRANSFORMD_ENGINE"
+#: Per engine, the releases its rules were read from, and those the opt-in engine check (tests/engines/) ran them
+#: against with the engine's own code (results in tests/engines/RESULTS.md).
+RULES_FROM = {
+    "vllm": "vLLM 0.33.0 (read); engine check: 0.33.0, 0.34.0",
+    "sglang": "SGLang 0.5.23 (read); engine check: 0.5.23",
+    "transformers": "transformers 5 FineGrainedFP8 (read)",
+}
 #: Tensor-parallel sizes the readiness report checks by default.
 TP_SIZES = (1, 2, 4, 8)
 
@@ -112,10 +131,17 @@ class EngineReadiness:
     loads_at: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  #: each names the tensor, the rule and the TP sizes
     warnings: list[str] = field(default_factory=list)
+    #: TP sizes at which it may load, under the conditions named in ``conditions`` (each with its TP sizes)
+    may_load_at: list[int] = field(default_factory=list)
+    conditions: list[str] = field(default_factory=list)
+    #: the problems with which it loads without an error at every TP size, and computes garbage
+    misloads: list[str] = field(default_factory=list)
+    rules_from: str = ""  #: the engine releases the rules were read from and checked against (:data:`RULES_FROM`)
 
     @property
     def loads(self) -> bool:
-        return bool(self.loads_at)
+        """At some TP size, or may (under a condition)."""
+        return bool(self.loads_at or self.may_load_at)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -192,18 +218,21 @@ def _model(config: Mapping[str, Any], tensors: Iterable[tuple[str, str, Sequence
 
 
 def _engine_readiness(engine: Engine, m: _Model, tp_sizes: Sequence[int]) -> EngineReadiness:
-    out = EngineReadiness(engine.value)
+    out = EngineReadiness(engine.value, rules_from=RULES_FROM.get(engine.value, ""))
     if engine is Engine.TRANSFORMERS:
         tp_sizes = [1]  # transformers loads on one process here; its dequantize needs whole 128x128 tiles
     blocked: dict[int, list[str]] = {tp: [] for tp in tp_sizes}
+    conditional: dict[int, list[str]] = {tp: [] for tp in tp_sizes}
     general: list[str] = []
     renamers = SCALE_RENAMING_LOADERS.get(engine.value, frozenset())
     for arch in m.architectures:
         if arch in renamers:
             general.append(
                 f"{engine.value}'s loader for {arch} renames every weight_scale_inv to weight_scale, so the block "
-                "scales are never loaded (the model computes garbage without an error)"
+                "scales are never loaded (the model computes garbage without an error; no layout of the output "
+                "changes that)"
             )
+            out.misloads.append(general[-1])
     if engine is Engine.TRANSFORMERS and m.target == "fnuz":
         general.append("transformers has no float8_e4m3fnuz support: convert with --target ocp")
     elif engine in (Engine.VLLM, Engine.SGLANG) and m.target == "fnuz":
@@ -225,7 +254,9 @@ def _engine_readiness(engine: Engine, m: _Model, tp_sizes: Sequence[int]) -> Eng
             "only when the config says so"
         )
     general += _mixed_precision_problems(m)
-    general += _fused_expert_problems(engine, m)
+    fused, silent = _fused_expert_problems(engine, m)
+    general += fused
+    out.misloads += silent
     if engine is Engine.TRANSFORMERS:
         for module, shape in sorted(m.fp8.items()):
             n, k = shape[-2:]
@@ -237,33 +268,39 @@ def _engine_readiness(engine: Engine, m: _Model, tp_sizes: Sequence[int]) -> Eng
                 break
     else:
         for tp in tp_sizes:
-            blocked[tp] += _tp_problems(engine, m, tp)
+            blocked[tp] += _tp_problems(engine, m, tp, conditional[tp])
     for tp in tp_sizes:
         if not general and not blocked[tp]:
-            out.loads_at.append(tp)
+            (out.may_load_at if conditional[tp] else out.loads_at).append(tp)
     out.problems = general + _by_problem(blocked)
+    out.conditions = _by_problem({tp: c for tp, c in conditional.items() if tp in out.may_load_at})
     return out
 
 
-def _fused_expert_problems(engine: Engine, m: _Model) -> list[str]:
-    """3-D FP8 expert stacks: what each engine's loader makes of them (measured with the engines' own code)."""
+def _fused_expert_problems(engine: Engine, m: _Model) -> tuple[list[str], list[str]]:
+    """3-D FP8 expert stacks: what each engine's loader makes of them (measured with the engines' own code), as
+    (problems, those of them it loads without an error)."""
     if not m.fused_experts:
-        return []
+        return [], []
     first = _NUMBERED.sub(".*.", m.fused_experts[0])
     if engine is Engine.TRANSFORMERS:
-        return [
+        silent = [
             f"{first}: transformers 5 loads FP8 expert stacks in fused HF-v5 naming without applying their "
             "*_scale_inv (measured with FineGrainedFP8Config(dequantize=True): values off by the scale, no error)"
         ]
+        return silent, silent
     if engine is Engine.SGLANG:
-        return [f"{first}: SGLang 0.5.23 skips fused expert stacks when loading (the experts stay unloaded, no error)"]
+        silent = [f"{first}: SGLang 0.5.23 skips fused expert stacks when loading (the experts stay unloaded, no "
+                  "error); --engine sglang writes them as per-expert tensors, which it loads, where the gate/up split "
+                  f"falls on {BLOCK}-row tiles"]
+        return silent, silent
     with_suffix = [name for name in m.fused_experts if name.endswith(".weight")]
     if engine is Engine.VLLM and with_suffix:
         return [
             f"{_NUMBERED.sub('.*.', with_suffix[0])}: vLLM 0.33 reads fused expert stacks only in HF-v5 naming "
             "(experts.gate_up_proj, no .weight); with .weight it fails to start"
-        ]
-    return []
+        ], []
+    return [], []
 
 
 def _by_problem(blocked: dict[int, list[str]]) -> list[str]:
@@ -299,7 +336,8 @@ def _mixed_precision_problems(m: _Model) -> list[str]:
     return problems
 
 
-def _tp_problems(engine: Engine, m: _Model, tp: int) -> list[str]:
+def _tp_problems(engine: Engine, m: _Model, tp: int, conditions: list[str]) -> list[str]:
+    """What stops ``engine`` at TP ``tp``; what it may load under a condition goes into ``conditions``."""
     problems: list[str] = []
     parents: dict[str, dict[str, tuple[int, ...]]] = {}
     for module, shape in m.fp8.items():
@@ -311,7 +349,7 @@ def _tp_problems(engine: Engine, m: _Model, tp: int) -> list[str]:
         if sep and ".shared_experts" not in parent and (rest == "" or rest.startswith(".")):
             if layer not in moe_done:
                 moe_done.add(layer)
-                problems += _moe_problems(engine, f"{layer}.experts", leaves, tp)
+                problems += _moe_problems(engine, f"{layer}.experts", leaves, tp, conditions)
             continue
         problems += _linear_problems(engine, m, parent, leaves, tp)
     return problems
@@ -332,12 +370,11 @@ def _linear_problems(engine: Engine, m: _Model, parent: str, leaves: dict[str, t
         # shards after an unaligned one at the wrong rows); at TP 1 its last shard may be unaligned. SGLang
         # requires every shard to be aligned.
         check = sizes if (engine is Engine.SGLANG or tp > 1) else sizes[:-1]
-        for s, size in zip(present, check):
+        for s, size in zip(present, check):  # every shard that is not aligned (each is a reason of its own)
             if size % BLOCK:
                 problems.append(
                     f"{parent}.{s}: {size} rows per rank (of {fused} {'/'.join(present)}) is not a multiple of {BLOCK}"
                 )
-                break
     for leaf, shape in leaves.items():
         if any(leaf in shards for shards in MERGED.values()):
             continue
@@ -357,8 +394,10 @@ def _rank_rows(m: _Model, shard: str, n: int, tp: int) -> int | None:
     return n // tp if n % tp == 0 else None
 
 
-def _moe_problems(engine: Engine, layer: str, leaves: dict[str, tuple[int, ...]], tp: int) -> list[str]:
-    """Every rank's share of the MoE intermediate size must be a multiple of 128."""
+def _moe_problems(engine: Engine, layer: str, leaves: dict[str, tuple[int, ...]], tp: int,
+                  conditions: list[str]) -> list[str]:
+    """Every rank's share of the MoE intermediate size must be a multiple of 128 (vLLM: or its Triton MoE refines
+    the block, a condition)."""
     inter = None
     for leaf, shape in leaves.items():
         name = leaf.rpartition(".")[2] or leaf
@@ -374,20 +413,89 @@ def _moe_problems(engine: Engine, layer: str, leaves: dict[str, tuple[int, ...]]
         return [f"{layer}: MoE intermediate size {inter} does not split over {tp} ranks"]
     per_rank = inter // tp
     if per_rank % BLOCK:
-        note = ""
-        if engine is Engine.VLLM and math.gcd(BLOCK, per_rank) >= 32:
-            note = " (vLLM's Triton MoE may refine the block, other backends refuse)"
-        return [f"{layer}: MoE intermediate size per rank {per_rank} (= {inter} / {tp}) "
-                f"is not a multiple of {BLOCK}{note}"]
+        hidden = next((shape[-2] for leaf, shape in leaves.items() if (leaf.rpartition(".")[2] or leaf) in EXPERT_DOWN),
+                      BLOCK)
+        refine = math.gcd(BLOCK, per_rank, hidden)
+        said = f"{layer}: MoE intermediate size per rank {per_rank} (= {inter} / {tp}) is not a multiple of {BLOCK}"
+        if engine is Engine.VLLM and refine >= 32:  # vLLM fused_moe/oracle/fp8.py refine_fp8_moe_block_shape
+            conditions.append(f"{said}: with vLLM's Triton MoE, which refines the block scales to {refine}x{refine} "
+                              "(its automatic MoE backend choice; other MoE backends need whole 128-row blocks)")
+            return []
+        return [said]
     return []
 
 
-def readiness_line(loads_at: Sequence[int], problems: Sequence[str]) -> str:
-    """For people, one engine's readiness: ``loads at TP 1,2``, or ``does not load: <its first problem>``.
+def readiness_line(loads_at: Sequence[int], problems: Sequence[str], may_load_at: Sequence[int] = ()) -> str:
+    """For people, one engine's readiness in one line: ``loads at TP 1,2``, ``loads at TP 1; may load at TP 2``, or
+    ``does not load: <its first problem>`` (:func:`readiness_lines` has every reason).
 
     Takes the fields, so a report read back from the API's JSON prints the same as one computed here.
     """
-    if loads_at:
-        return f"loads at TP {','.join(map(str, loads_at))}"
+    said = [f"loads at TP {','.join(map(str, loads_at))}"] if loads_at else []
+    if may_load_at:
+        said.append(f"may load at TP {','.join(map(str, may_load_at))}")
+    if said:
+        return "; ".join(said)
     return f"does not load: {problems[0]}" if problems else "does not load"
 
+
+def readiness_lines(r: Mapping[str, Any] | EngineReadiness) -> list[str]:
+    """For people, every verdict of one engine's readiness: its :func:`readiness_line`, then each reason it does
+    not load at a TP size (every one), each "may load, with ..." condition, and where the rules come from."""
+    get = r.get if isinstance(r, Mapping) else lambda key, default=None: getattr(r, key, default)
+    loads_at, problems = list(get("loads_at") or []), [str(p) for p in get("problems") or []]
+    may, conditions = list(get("may_load_at") or []), [str(c) for c in get("conditions") or []]
+    lines = [readiness_line(loads_at, problems, may)]
+    below = problems if (loads_at or may) else problems[1:]
+    lines += [f"  does not load: {p}" if loads_at or may else f"  and: {p}" for p in below]
+    lines += [f"  may load, {c.replace(': with ', ', with ', 1)}" for c in conditions]
+    if get("rules_from"):
+        lines.append(f"  (rules: {get('rules_from')})")
+    return lines
+
+
+def misloaded_by(report: Mapping[str, EngineReadiness | Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Per engine of ``report``, the problems with which it loads the checkpoint without an error (garbage)."""
+    out = {}
+    for name, r in report.items():
+        silent = r.get("misloads") if isinstance(r, Mapping) else r.misloads
+        if silent:
+            out[name] = [str(p) for p in silent]
+    return out
+
+
+def loaders_of(report: Mapping[str, EngineReadiness | Mapping[str, Any]]) -> list[str]:
+    """The engines of ``report`` that load the checkpoint at some TP size (or may)."""
+    def loads(r: Any) -> bool:
+        return bool(r.get("loads_at") or r.get("may_load_at")) if isinstance(r, Mapping) else bool(
+            r.loads_at or r.may_load_at)
+    return [name for name, r in report.items() if loads(r)]
+
+
+def engine_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The engine :data:`ENGINE_ENV` names (None when unset or empty); a value that is no engine is refused."""
+    value = (os.environ if environ is None else environ).get(ENGINE_ENV, "").strip()
+    if not value:
+        return None
+    if value not in {e.value for e in Engine}:
+        raise ValueError(f"{ENGINE_ENV}={value[:40]!r} is not an engine: one of {', '.join(e.value for e in Engine)}")
+    return value
+
+
+def unnamed_refusal(report: Mapping[str, EngineReadiness | Mapping[str, Any]],
+                    per_expert: Mapping[str, EngineReadiness | Mapping[str, Any]] | None = None) -> str | None:
+    """Why a conversion that names no engine is refused (None: it is not): some engine of ``report`` would load the
+    output without an error and compute garbage. Says which engines load it and how to name one; ``per_expert``:
+    the readiness of the per-expert layout (what ``--engine sglang`` writes), when the source has fused stacks."""
+    silent = misloaded_by(report)
+    if not silent:
+        return None
+    wrong = "; ".join(f"{name}: {problems[0]}" for name, problems in silent.items())
+    loaders = [name for name in loaders_of(report) if name not in silent]
+    if per_expert is not None and Engine.SGLANG.value in silent and Engine.SGLANG.value in loaders_of(per_expert):
+        loaders.append(Engine.SGLANG.value)
+    names = [f"--engine {name}" for name in loaders] + ["--engine raw (transformd.loader or your own kernels)"]
+    which = (f"{', '.join(loaders)} load{'s' if len(loaders) == 1 else ''} it" if loaders
+             else "no checked engine loads it")
+    return (f"no engine named, and an engine would load this checkpoint wrong without an error ({wrong}); {which}. "
+            f"Name the engine that will load it: {', '.join(names)}, or set {ENGINE_ENV} in its container")

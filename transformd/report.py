@@ -210,19 +210,26 @@ def compare_checkpoints(
     expected = Target(target) if target is not None else (Target(record["target"]) if "target" in record else None)
     rows: list[TensorRow] = []
     seen_target: Target | None = None
+    parts = src.expert_parts() if record.get("layout") == "per-expert" else {}
     for name in out.names():
         if not name.endswith("_scale_inv") or out.dtype[name] != "F32":
             continue
         weight = name.removesuffix("_scale_inv")
         tgt = _OUT_DTYPES.get(out.dtype.get(weight, ""))
         src_scale = src.mx_scale(weight)
-        if tgt is None or src_scale is None:
+        if tgt is None or (src_scale is None and weight not in parts):
             continue
         if expected is not None and tgt is not expected:
             raise ValueError(
                 f"{weight} in {out.file[weight].name} is {tgt.safetensors_dtype}, not target {expected.value}")
         seen_target = tgt
-        error = tensor_error(*src.load_mx(weight, src_scale), out.load(weight), out.load(name), tgt)
+        if src_scale is not None:
+            codes, scales = src.load_mx(weight, src_scale)
+        else:  # one expert (gate or up rows) of a fused stack the output holds per expert
+            stack, e, r0, r1 = parts[weight]
+            codes, scales = src.load_stack(stack)
+            codes, scales = codes[e, r0:r1], scales[e, r0:r1]
+        error = tensor_error(codes, scales, out.load(weight), out.load(name), tgt)
         rows.append(TensorRow(weight, out.shape[weight], error))
     if not rows or seen_target is None:
         raise ValueError(f"no converted MXFP8 weight found in {out_dir} (compared with {src_dir})")
@@ -289,6 +296,25 @@ class _Checkpoint:
             if self.dtype.get(weight + suffix) in _E8M0_DTYPES:
                 return weight + suffix
         return None
+
+    def expert_parts(self) -> dict[str, tuple[str, int, int, int]]:
+        """For an output in the per-expert layout (:mod:`transformd.checkpoint.layout`): each per-expert weight ->
+        (its fused stack here, expert, first row, end row)."""
+        from .checkpoint.layout import Layout, expert_splits
+
+        splits = expert_splits(((w, self.shape[w]) for w, _ in self.mx_pairs()), Layout.PER_EXPERT)
+        parts: dict[str, tuple[str, int, int, int]] = {}
+        for stack, split in splits.items():
+            halves = 2 if stack.removesuffix(".weight").endswith("gate_up_proj") else 1
+            for i, (name, (rows, _)) in enumerate(split.weight):
+                parts[name] = (stack, i // halves, (i % halves) * rows, (i % halves + 1) * rows)
+        return parts
+
+    def load_stack(self, stack: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`load_mx` of a fused stack, the last one kept (its experts are compared one after the other)."""
+        if getattr(self, "_stack", (None,))[0] != stack:
+            self._stack = (stack, self.load_mx(stack, self.mx_scale(stack) or ""))
+        return self._stack[1]
 
     def mx_pairs(self) -> Iterator[tuple[str, str]]:
         """(weight, scale) names of every MXFP8 pair, in natural order."""

@@ -43,6 +43,10 @@ class SafetensorsWriter:
     flushes and fsyncs. The header is padded with spaces to a multiple of 8
     bytes, as the safetensors library does, so the data section is aligned.
 
+    ``groups`` maps a name data is written under to several header entries, in order, whose bytes are consecutive:
+    the data of that name fills them one after the other (a fused expert stack written as per-expert tensors,
+    :mod:`transformd.checkpoint.layout`).
+
     Use as a context manager; on an exception the file is closed unchecked and
     left for the caller to delete (the converter writes into a staging directory).
     """
@@ -52,6 +56,7 @@ class SafetensorsWriter:
         path: str | os.PathLike[str],
         specs: Iterable[tuple[str, str, Sequence[int]]],
         metadata: Mapping[str, str] | None = None,
+        groups: Mapping[str, Sequence[str]] | None = None,
     ):
         self.path = Path(path)
         self.bytes_written = 0
@@ -70,6 +75,13 @@ class SafetensorsWriter:
             header[name] = {"dtype": dtype, "shape": slot.shape, "data_offsets": [offset, offset + slot.nbytes]}
             offset += slot.nbytes
             self._slots.append(slot)
+        self._by_name = {slot.name: slot for slot in self._slots}
+        self._groups = {name: tuple(parts) for name, parts in (groups or {}).items()}
+        order = {slot.name: i for i, slot in enumerate(self._slots)}
+        for name, parts in self._groups.items():
+            at = [order.get(part) for part in parts]
+            if not parts or None in at or at != list(range(at[0], at[0] + len(at))):
+                raise ValueError(f"group {name}: {list(parts)[:3]} are not consecutive tensors of the header")
         raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         raw += b" " * (-len(raw) % HEADER_ALIGN)
         self._file = open(self.path, "xb", buffering=0)
@@ -86,8 +98,8 @@ class SafetensorsWriter:
 
     def copy_from(self, name: str, src: BinaryIO, begin: int) -> None:
         """Fill tensor ``name`` with its byte count copied from ``src`` at absolute offset ``begin``, unparsed."""
-        slot = self._slot_for(name)
-        n = slot.nbytes - slot.filled
+        n = sum(self._by_name[part].nbytes - self._by_name[part].filled for part in self._groups.get(name, (name,))
+                if part in self._by_name)
         self._reserve(name, n)
         _copy_range(src, begin, self._file, n)
         self.bytes_written += n
@@ -133,10 +145,26 @@ class SafetensorsWriter:
         raise ValueError(f"{self.path}: data for tensor {name} arrived, but it is not (or no longer) expected")
 
     def _reserve(self, name: str, n: int) -> None:
-        slot = self._slot_for(name)
-        if slot.filled + n > slot.nbytes:
-            raise ValueError(f"{self.path}: tensor {name} would get {slot.filled + n} bytes; it holds {slot.nbytes}")
-        slot.filled += n
+        parts = self._groups.get(name)
+        if parts is None:
+            slot = self._slot_for(name)
+            if slot.filled + n > slot.nbytes:
+                raise ValueError(
+                    f"{self.path}: tensor {name} would get {slot.filled + n} bytes; it holds {slot.nbytes}")
+            slot.filled += n
+            return
+        left = n
+        for part in parts:  # consecutive: the bytes fill the first incomplete part, then the next
+            if self._by_name[part].filled == self._by_name[part].nbytes:
+                continue
+            slot = self._slot_for(part)
+            take = min(left, slot.nbytes - slot.filled)
+            slot.filled += take
+            left -= take
+            if not left:
+                return
+        if left:
+            raise ValueError(f"{self.path}: tensor {name} would get {left} bytes more than its {len(parts)} parts hold")
 
     def _put(self, buf: memoryview | bytes) -> None:
         view = memoryview(buf)

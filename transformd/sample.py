@@ -11,8 +11,10 @@ with ``quant_algo: MXFP8``, ``group_size: 32``; ``config.json`` with
   ``X.weight_scale_inv`` with ``scale_suffix="weight_scale_inv"``, MiniMax
   style): attention ``q/k/v/o_proj`` and the experts, either 2-D per expert
   ``mlp.experts.E.{gate,up,down}_proj.weight`` or, with ``fused_experts=True``,
-  3-D ``mlp.experts.gate_up_proj.weight`` ``[E, 2I, H]`` and
-  ``mlp.experts.down_proj.weight`` ``[E, H, I]``;
+  3-D stacks in transformers 5's (HF-v5) fused naming, without ``.weight``:
+  ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and
+  ``mlp.experts.down_proj`` ``[E, H, I]``, scales ``X_scale`` (``X_scale_inv``
+  with ``scale_suffix="weight_scale_inv"``);
 * float32 scalars ``k_proj.k_scale`` / ``v_proj.v_scale`` (ModelOpt's FP8 KV
   cache scales), which are not weight scales and must be carried over as is.
 
@@ -228,8 +230,9 @@ class _Maker:
     def norm(self, name: str, n: int) -> torch.Tensor:
         return (1.0 + 0.05 * torch.randn(n, generator=self._gen(name))).to(torch.bfloat16)
 
-    def mxfp8(self, module: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        """``{module.weight: e4m3fn codes, module.<scale_suffix>: uint8 E8M0}``, one matrix at a time."""
+    def mxfp8(self, module: str, shape: tuple[int, ...], *, fused: bool = False) -> dict[str, torch.Tensor]:
+        """``{module.weight: e4m3fn codes, module.<scale_suffix>: uint8 E8M0}``, one matrix at a time; ``fused``: HF-v5
+        naming, ``{module: codes, module_scale[_inv]: E8M0}``."""
         gen = self._gen(module)
         std = shape[-1] ** -0.5
         codes = torch.empty(shape, dtype=torch.uint8)
@@ -239,6 +242,8 @@ class _Maker:
             q, s = mx_quantize(sample_weight(shape[-2:], gen, std))
             q_out.copy_(q)
             s_out.copy_(s)
+        if fused:
+            return {module: codes.view(torch.float8_e4m3fn), module + self.scale_suffix.removeprefix("weight"): scales}
         return {f"{module}.weight": codes.view(torch.float8_e4m3fn), f"{module}.{self.scale_suffix}": scales}
 
 
@@ -259,8 +264,8 @@ def _layer_parts(make: _Maker, d: _Dims, layer: int, fused: bool) -> Iterator[Pa
     yield partial(dict, {f"{p}.self_attn.{x}_proj.{x}_scale": torch.tensor(1.0) for x in "kv"})
     yield partial(make.named, make.bf16, f"{p}.mlp.gate.weight", (d.experts, d.hidden))
     if fused:
-        yield partial(make.mxfp8, f"{p}.mlp.experts.gate_up_proj", (d.experts, 2 * d.inter, d.hidden))
-        yield partial(make.mxfp8, f"{p}.mlp.experts.down_proj", (d.experts, d.hidden, d.inter))
+        yield partial(make.mxfp8, f"{p}.mlp.experts.gate_up_proj", (d.experts, 2 * d.inter, d.hidden), fused=True)
+        yield partial(make.mxfp8, f"{p}.mlp.experts.down_proj", (d.experts, d.hidden, d.inter), fused=True)
         return
     for e in range(d.experts):
         for proj, shape in (("gate", (d.inter, d.hidden)), ("up", (d.inter, d.hidden)), ("down", (d.hidden, d.inter))):

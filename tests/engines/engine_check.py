@@ -31,7 +31,12 @@ d. weight loading: the model's own ``load_weights`` gets the checkpoint (all ten
    must equal the checkpoint's, the loaded scale must equal ``weight_scale_inv``, and the
    dequantized weight the engine's block GEMM would use (fp8 x scale of its 128x128 tile of the
    *merged* parameter) must equal the checkpoint's, for every linear layer and expert.
-e. a table and ``engine_check: N passed, M failed``; exit status 1 on any failure.
+e. transformd's own readiness report of the checkpoint (``transformd.checkpoint.readiness_of_dir``, when transformd
+   is importable) against the engine's verdicts of c and d, per TP size: a TP size readiness says loads where the
+   engine refuses (or loads wrongly) fails, and so does a module the engine stops at that TP size for which readiness
+   names no reason there (issue 44: every TP verdict lists every reason); where readiness refuses what the engine
+   loads, it must say "may load" (else an informational row: readiness more conservative than the engine).
+f. a table and ``engine_check: N passed, M failed``; exit status 1 on any failure.
 
 Stubbed, GPU only: vLLM's block-FP8 GEMM kernel choice (init_fp8_linear_kernel raises on a CPU
 without AMX) and, where it raises, the FP8 MoE backend choice; for SGLang the ``vllm._custom_ops``
@@ -1437,6 +1442,47 @@ class SglangCheck(VllmCheck):
 
 
 # --------------------------------------------------------------------------------------
+# e. transformd's readiness against the engine's verdicts
+# --------------------------------------------------------------------------------------
+
+
+def compare_readiness(engine: str, out_dir: str, tps: list[int], report: Report) -> None:
+    """transformd's readiness of ``out_dir`` for ``engine`` against the engine's own verdicts in ``report``."""
+    try:
+        from transformd.checkpoint import readiness_of_dir
+    except Exception as e:  # transformd not installed in this venv
+        report.note(f"transformd's readiness not compared: {_short(e, 80)}")
+        return
+    ours = readiness_of_dir(out_dir)[engine]
+    said = f"(rules: {ours.rules_from})"
+    general = [p for p in ours.problems if not re.match(r"TP [\d,]+: ", p)]
+    loading_failures = [row for row in report.rows if row.section in ("load", "modules") and row.ok is False]
+    for tp in tps:
+        stopped = [row for row in report.rows if row.section == f"tp={tp}" and row.ok is False]
+        engine_loads = not stopped and not loading_failures
+        reasons = general + [p for p in ours.problems if re.match(rf"TP (\d+,)*{tp}(,\d+)*: ", p)]
+        if tp in ours.loads_at:
+            verdict = "loads"
+        elif tp in ours.may_load_at:
+            verdict = "may load"
+        else:
+            verdict = "does not load"
+        if engine_loads:
+            ok = verdict != "does not load" or None
+            report.add("readiness", f"TP {tp}", "transformd readiness", verdict, "loads (as the engine)", ok,
+                       said if ok else f"more conservative than the engine, without 'may load': {reasons[:1]}")
+            continue
+        report.add("readiness", f"TP {tp}", "transformd readiness", verdict, "does not load (as the engine)",
+                   verdict == "does not load", said)
+        for row in stopped:  # every module the engine stops at this TP size must have a reason of its own
+            parent = re.sub(r"\.\d+(?=\.|$)", ".*", row.name).rsplit(".", 1)[0]
+            named = any(parent + "." in p or parent + ":" in p for p in reasons) or bool(general)
+            report.add("readiness", f"TP {tp}: {row.name}", "transformd readiness",
+                       "names a reason" if named else "names no reason", "a reason for each", named,
+                       "" if named else f"engine: {row.decision}, {row.note[:90]}")
+
+
+# --------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------
 
@@ -1465,6 +1511,7 @@ def run(engine: str, out_dir: str, tps: list[int], build_model: bool = True) -> 
         ("config", chk.check_config),
         ("modules", lambda: chk.check_modules(mods)),
         ("tp", lambda: chk.check_tp(mods)),
+        ("readiness", lambda: compare_readiness(engine, out_dir, tps, report)),
     ]
     for step, fn in steps:
         try:

@@ -198,12 +198,11 @@ def assert_converted(src: Path, out: Path, target: str = "fnuz", scale_mode: str
 
 
 def _mx_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """weight -> scale: ``X.weight`` + ``X.weight_scale[_inv]``, or a fused HF-v5 stack ``X`` + ``X_scale[_inv]``."""
     pairs = {}
     for name, t in tensors.items():
-        if name.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
-            module = name.removesuffix(".weight")
-            scale = next(f"{module}.{s}" for s in ("weight_scale", "weight_scale_inv") if f"{module}.{s}" in tensors)
-            pairs[name] = scale
+        if t.dtype == torch.float8_e4m3fn:
+            pairs[name] = next(name + s for s in ("_scale", "_scale_inv") if name + s in tensors)
     return pairs
 
 
@@ -269,7 +268,7 @@ def assert_converted_sample(src: Path, out: Path, target: str, scale_mode: str) 
     for weight, scale in pairs.items():
         q_ref, s_ref = convert_reference(every_input[weight], every_input[scale], target, scale_mode)
         assert torch.equal(outputs[weight].view(torch.uint8), q_ref)
-        assert torch.equal(outputs[weight.removesuffix(".weight") + ".weight_scale_inv"], s_ref)
+        assert torch.equal(outputs[weight + "_scale_inv"], s_ref)
     for name, t in every_input.items():
         if name not in pairs and name not in pairs.values():
             assert tensor_bytes(outputs[name]) == tensor_bytes(t) and outputs[name].dtype == t.dtype

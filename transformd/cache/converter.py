@@ -118,8 +118,9 @@ class TransformdConverter:
             from ..checkpoint.plan import plan_conversion  # (no torch)
             from ..formats import ScaleMode, Target
 
-            plan = dataclasses.replace(plan if plan is not None and plan.select == recipe.select
-                                       else plan_conversion(src, select=recipe.select), src=Path(src))
+            plan = dataclasses.replace(plan if _plans(plan, recipe)
+                                       else plan_conversion(src, select=recipe.select, layout=recipe.layout),
+                                       src=Path(src))
             Path(out).mkdir()
             head = HeadStart.start(plan, Path(out), Target(recipe.target), ScaleMode(recipe.scale_mode))
         warming = _start_warm_up(self.device, recipe) if deferred else _warming
@@ -129,8 +130,8 @@ class TransformdConverter:
                 pass
             from ..checkpoint import conversion_devices, plan_conversion, write_checkpoint
 
-            if plan is None or plan.select != recipe.select:
-                plan = plan_conversion(src, select=recipe.select)
+            if not _plans(plan, recipe):
+                plan = plan_conversion(src, select=recipe.select, layout=recipe.layout)
             devices = conversion_devices(self.device)
             return write_checkpoint(
                 dataclasses.replace(plan, src=Path(src)),
@@ -156,3 +157,8 @@ class TransformdConverter:
 
     def __repr__(self) -> str:
         return f"TransformdConverter(device={self.device!r}, head_start={self.head_start!r})"
+
+
+def _plans(plan: Any, recipe: Recipe) -> bool:
+    """Whether ``plan`` (None: none made) is the plan of ``recipe``'s conversion (its selection and layout)."""
+    return plan is not None and plan.select == recipe.select and plan.layout == recipe.layout

@@ -60,6 +60,7 @@ from typing import Any
 import blake3
 
 from .._durable import read_json, write_json_atomic
+from ..checkpoint.layout import Layout
 from ..formats import FORMAT_VERSION, ScaleMode, Target
 from ..readahead import set_idle_io
 from .errors import InvalidKeyError, SourceChangedError, SourceError
@@ -105,30 +106,35 @@ class Recipe:
     scale_mode: str = ScaleMode.EXACT.value
     select: str | None = None
     format_version: int = FORMAT_VERSION
+    #: ``as-is``, or ``per-expert`` (fused expert stacks written per expert, for SGLang:
+    #: :mod:`transformd.checkpoint.layout`); in the key only when not ``as-is``, so earlier keys stay what they were
+    layout: str = "as-is"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", Target(self.target).value)
         object.__setattr__(self, "scale_mode", ScaleMode(self.scale_mode).value)
+        object.__setattr__(self, "layout", Layout(self.layout).value)
         if self.select is not None and not isinstance(self.select, str):
             raise TypeError(f"select must be a string or None, not {type(self.select).__name__}")
         if self.select == "":
             object.__setattr__(self, "select", None)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "target": self.target,
             "scale_mode": self.scale_mode,
             "select": self.select,
             "format_version": self.format_version,
         }
+        return d if self.layout == "as-is" else {**d, "layout": self.layout}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recipe:
-        return cls(d["target"], d["scale_mode"], d.get("select"), int(d["format_version"]))
+        return cls(d["target"], d["scale_mode"], d.get("select"), int(d["format_version"]), d.get("layout", "as-is"))
 
     def describe(self) -> str:
-        """``fnuz/exact`` or ``fnuz/exact select=...``."""
-        s = f"{self.target}/{self.scale_mode}"
+        """``fnuz/exact``, ``fnuz/exact per-expert`` or ``fnuz/exact select=...``."""
+        s = f"{self.target}/{self.scale_mode}" + (f" {self.layout}" if self.layout != "as-is" else "")
         return f"{s} select={self.select}" if self.select else s
 
 

@@ -53,7 +53,7 @@ from ..numpy_exact import converter, table, tile_bands, usable_cores
 from ..readahead import in_page_cache
 from ..safetensors_header import ShardFiles
 from ..safetensors_writer import SafetensorsWriter
-from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
+from .plan import ConversionPlan, MxPair, ShardPlan, output_groups, output_specs
 
 __all__ = ["Finished", "HeadStart", "head_start_threads", "source_descriptors"]
 
@@ -355,7 +355,8 @@ class _Worker:
         files = ShardFiles(self.plan.src)
         try:
             with open(src, "rb") as source:
-                writer = SafetensorsWriter(dst, output_specs(self.target, shard), shard.header.metadata)
+                writer = SafetensorsWriter(dst, output_specs(self.target, shard), shard.header.metadata,
+                                           groups=output_groups(shard))
                 try:
                     read = self._fill(shard, writer, source, files, pool)
                 except BaseException:

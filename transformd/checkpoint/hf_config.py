@@ -46,6 +46,8 @@ def _transformd_record(run: Run) -> dict[str, Any]:
     source = source_quantization(run.plan.config, run.plan.hf_quant_config)
     if source:
         record["source_quantization"] = source
+    if any(shard.splits for shard in run.plan.shards):  # (only when a stack was split: else the bytes are as-is's)
+        record["layout"] = run.plan.layout
     if run.plan.select is not None:
         record["select"] = run.plan.select
     return record

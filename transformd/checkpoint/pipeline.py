@@ -32,7 +32,7 @@ from .pieces import (
     size_buffers,
     units,
 )
-from .plan import ConversionPlan, MxPair, ShardPlan, output_specs
+from .plan import ConversionPlan, MxPair, ShardPlan, output_groups, output_specs
 from .stages import SlotPool, Stages, Tally
 
 if TYPE_CHECKING:
@@ -451,7 +451,8 @@ class _Lane:
                     shard = item.shard
                     source = open(self.run.plan.src / shard.name, "rb")  # noqa: SIM115 - closed below
                     specs = list(output_specs(self.run.target, shard))
-                    writer = SafetensorsWriter(self.run.out / shard.name, specs, shard.header.metadata)
+                    writer = SafetensorsWriter(self.run.out / shard.name, specs, shard.header.metadata,
+                                               groups=output_groups(shard))
                 elif isinstance(item, _CloseShard):
                     assert writer is not None and source is not None
                     source.close()

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import stat
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ..engines import CHECKED_ENGINES, Engine, EngineReadiness, readiness
+from ..engines import CHECKED_ENGINES, Engine, EngineReadiness, readiness, unnamed_refusal
 from ..errors import CheckpointError, MxFormatError
 from ..formats import Target, check_pair_geometry, infer_row_block, tile_grid
 from ..quant_config import output_quantization_config, quark_row_block, unquantized_modules
 from ..progress import human_bytes
 from ..readahead import INDEX_NAME
 from ..safetensors_header import Header, TensorInfo, read_header, tensor_nbytes
+from .layout import Layout, Split, expert_splits, is_fused_stack, layout_for
 
 CONFIG_NAME = "config.json"
 HF_QUANT_NAME = "hf_quant_config.json"
@@ -79,6 +81,8 @@ class ShardPlan:
     header: Header
     pairs: tuple[MxPair, ...]
     dropped: frozenset[str]
+    #: Converted fused expert stacks of this shard written per expert (:mod:`.layout`), by weight name.
+    splits: Mapping[str, Split] = field(default_factory=dict)
 
     @property
     def rewrite(self) -> bool:
@@ -99,6 +103,7 @@ class ConversionPlan:
     select: str | None
     other_files: tuple[Path, ...]
     left_out: tuple[Path, ...] = ()
+    layout: str = Layout.AS_IS.value  #: :class:`.layout.Layout` of the output
 
     # Cached: every progress report reads them, and summing thousands of weights each time held the interpreter
     # lock from the conversion's threads (0.8 s of 5 s converting 8 GiB on the H200).
@@ -118,11 +123,14 @@ class ConversionPlan:
 
 
 
-def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -> ConversionPlan:
+def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None,
+                    layout: Layout | str = Layout.AS_IS) -> ConversionPlan:
     """Read and check everything but tensor data; raise :class:`CheckpointError` or :class:`MxFormatError`.
 
-    Errors name the file, the tensor and the problem.
+    Errors name the file, the tensor and the problem. ``layout`` (:mod:`.layout`): ``per-expert`` writes fused
+    expert stacks as per-expert tensors (for SGLang).
     """
+    layout = Layout(layout)
     src = Path(src)
     if not src.is_dir():
         raise CheckpointError("is not a directory" if src.exists() else "does not exist", file=src)
@@ -164,7 +172,7 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
     # Weights the index does not reference (e.g. a stale model.safetensors next to an index) are not converted;
     # carrying them would hand loaders an MXFP8 copy (transformers prefers model.safetensors over an index).
     left_out = [f for f in other_files if f.parent == Path(".") and f.suffix == ".safetensors"]
-    return ConversionPlan(
+    plan = ConversionPlan(
         src=src,
         config=config,
         hf_quant_config=hf_quant,
@@ -175,6 +183,39 @@ def plan_conversion(src: str | os.PathLike[str], *, select: str | None = None) -
         other_files=tuple(f for f in other_files if f not in left_out),
         left_out=tuple(left_out),
     )
+    return with_layout(plan, layout)
+
+
+def source_layout(src: str | os.PathLike[str], engine: Engine | str | None) -> Layout:
+    """The layout of ``engine``'s output for the checkpoint ``src``: per-expert for SGLang when ``src`` has a fused
+    expert stack (named in its index, or in its single shard's header), else as-is: without a stack to split the bytes
+    are as-is's, and so is the cache key (one entry for every engine). A source that cannot be read says so later."""
+    layout = layout_for(engine)
+    if layout is Layout.AS_IS:
+        return layout
+    try:
+        index, shard_names = _shard_layout(Path(src))
+        names = index["weight_map"] if index is not None else read_header(Path(src) / shard_names[0]).tensors
+    except (CheckpointError, MxFormatError, OSError, ValueError):
+        return layout
+    return layout if any(is_fused_stack(name) for name in names) else Layout.AS_IS
+
+
+def with_layout(plan: ConversionPlan, layout: Layout | str) -> ConversionPlan:
+    """``plan`` writing the output in ``layout`` (:mod:`.layout`); nothing is read."""
+    layout = Layout(layout)
+    archs = plan.config.get("architectures") if isinstance(plan.config.get("architectures"), list) else []
+    splits = expert_splits(((p.weight.name, p.weight.shape) for p in plan.selected), layout,
+                           [a for a in archs if isinstance(a, str)])
+    names = {t.name: shard.name for shard in plan.shards for t in shard.header.tensors.values()}
+    for split in splits.values():
+        for name, _ in (*split.weight, *split.scale):
+            if name in names:
+                raise CheckpointError(f"{name}: the per-expert layout would write this name, which the checkpoint "
+                                      "holds already", file=plan.src / names[name])
+    shards = tuple(dataclasses.replace(s, splits={p.weight.name: splits[p.weight.name] for p in s.pairs
+                                                  if p.weight.name in splits}) for s in plan.shards)
+    return dataclasses.replace(plan, shards=shards, layout=layout.value)
 
 
 def plan_readiness(plan: ConversionPlan, target: Target | str) -> dict[str, EngineReadiness]:
@@ -195,9 +236,21 @@ def readiness_of_dir(path: str | os.PathLike[str]) -> dict[str, EngineReadiness]
     return readiness(config, specs)
 
 
-def check_engine(report: dict[str, EngineReadiness], engine: Engine | str | None, src: Path) -> None:
-    """Refuse a conversion that the named engine could not load at any TP size (``raw``/None: no check)."""
-    if engine is None or Engine(engine) not in CHECKED_ENGINES:
+def check_engine(report: dict[str, EngineReadiness], engine: Engine | str | None, src: Path,
+                 plan: ConversionPlan | None = None, target: Target | str | None = None) -> None:
+    """Refuse a conversion that the named engine could not load at any TP size (``raw``: no check); with no engine
+    named, one that any engine would load wrong without an error (:func:`transformd.engines.unnamed_refusal`;
+    ``plan`` and ``target``, when given, let the message say whether ``--engine sglang``'s layout loads)."""
+    if engine is None:
+        per_expert = None
+        if plan is not None and target is not None and plan.layout == Layout.AS_IS.value:
+            split = with_layout(plan, Layout.PER_EXPERT)
+            per_expert = plan_readiness(split, target) if any(s.splits for s in split.shards) else None
+        refusal = unnamed_refusal(report, per_expert)
+        if refusal is not None:
+            raise CheckpointError(refusal, file=src)
+        return
+    if Engine(engine) not in CHECKED_ENGINES:
         return
     r = report[Engine(engine).value]
     if not r.loads:
@@ -425,7 +478,9 @@ def output_bytes(plan: ConversionPlan, target: Target | str = Target.FNUZ) -> in
             total += shard.header.file_size
             continue
         header = shard.header.file_size - shard.header.data_bytes
-        total += header + 96 * len(shard.pairs) + sum(tensor_nbytes(d, s) for _, d, s in output_specs(target, shard))
+        parts = sum(len(split.weight) + len(split.scale) for split in shard.splits.values())
+        data = sum(tensor_nbytes(d, s) for _, d, s in output_specs(target, shard))
+        total += header + 96 * (len(shard.pairs) + parts) + data
     for rel in plan.other_files:
         with contextlib.suppress(OSError):
             total += os.stat(plan.src / rel).st_size
@@ -437,17 +492,34 @@ def output_bytes(plan: ConversionPlan, target: Target | str = Target.FNUZ) -> in
 
 
 def output_specs(target: Target, shard: ShardPlan) -> Iterator[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, shape) of the output shard, in the input's order; a new scale right after its weight."""
+    """(name, dtype, shape) of the output shard's header, in the input's order; a new scale right after its weight (a
+    split stack: its per-expert weights, then their scales, :mod:`.layout`)."""
     pairs = {p.weight.name: p for p in shard.pairs}
     for t in shard.header.tensors.values():
         if t.name in shard.dropped:
             continue
         pair = pairs.get(t.name)
+        split = shard.splits.get(t.name)
         if pair is None:
             yield t.name, t.dtype, t.shape
+        elif split is not None:
+            yield from ((name, target.safetensors_dtype, shape) for name, shape in split.weight)
+            yield from ((name, "F32", shape) for name, shape in split.scale)
         else:
             yield t.name, target.safetensors_dtype, t.shape
             yield pair.out_scale_name, "F32", pair.out_scale_shape
+
+
+def output_groups(shard: ShardPlan) -> dict[str, tuple[str, ...]]:
+    """The tensors the converter writes under one name (a split stack's weight and scale, :mod:`.layout`) ->
+    the header entries their bytes fill, in order (:class:`transformd.safetensors_writer.SafetensorsWriter`)."""
+    groups: dict[str, tuple[str, ...]] = {}
+    for pair in shard.pairs:
+        split = shard.splits.get(pair.weight.name)
+        if split is not None:
+            groups[pair.weight.name] = tuple(name for name, _ in split.weight)
+            groups[pair.out_scale_name] = tuple(name for name, _ in split.scale)
+    return groups
 
 
 # -- devices ----------------------------------------------------------------------------------------------------------

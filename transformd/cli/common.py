@@ -68,8 +68,10 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--engine", choices=[e.value for e in Engine], default=None,
-        help="who loads the output: picks the target for auto, and refuses a checkpoint that engine could not load "
-             "at any tensor-parallel size (without it: a warning); raw = transformd.loader or your own kernels",
+        help="who loads the output: picks the target for auto (and for sglang writes fused expert stacks per expert), "
+             "and refuses a checkpoint that engine could not load at any tensor-parallel size. Default: "
+             "$TRANSFORMD_ENGINE; with neither, a checkpoint some engine would load wrong without an error is refused; "
+             "raw = transformd.loader or your own kernels (no check)",
     )
 
 

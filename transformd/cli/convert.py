@@ -119,19 +119,21 @@ def _choose_target(args: argparse.Namespace) -> tuple[str | None, str]:
 
 def _print_outcome(report: dict, engine: str | None, target: str, why: str) -> None:
     """After a conversion, on standard error: with ``--engine``, the target chosen and whether that engine loads
-    it; without, a warning for each engine that could not load it at any tensor-parallel size."""
+    it, with every reason it does not at some TP sizes; without, a warning for each engine that could not load it at
+    any tensor-parallel size, with every reason."""
     if engine is not None:
         print(shown(f"transformd: target {target}: {why}"), file=sys.stderr)
-    from ..engines import readiness_line
+    from ..engines import readiness_lines
 
     for name, r in report.items():
-        if engine == name:
-            said = readiness_line(r.loads_at, r.problems)
-            print(shown(f"transformd: {name}: {said}" + (f" (not at others: {r.problems[0]})" if r.problems else "")),
-                  file=sys.stderr)
+        if engine == name:  # every verdict, with every reason
+            first, *rest = readiness_lines(r)
+            for line in [f"transformd: {name}: {first}", *rest]:
+                print(("  " if line.startswith(" ") else "") + shown(line), file=sys.stderr)  # (shown: one line)
         elif engine is None and not r.loads:
-            print(shown(f"transformd: warning: {name} could not load this checkpoint at any TP size: {r.problems[0]}"),
-                  file=sys.stderr)
+            more = f" (and {len(r.problems) - 1} more: transformd inspect DIR)" if len(r.problems) > 1 else ""
+            print(shown(f"transformd: warning: {name} could not load this checkpoint at any TP size: "
+                        f"{r.problems[0]}{more}"), file=sys.stderr)
         if engine in (None, name):
             for warning in r.warnings:
                 print(shown(f"transformd: warning: {warning}"), file=sys.stderr)
@@ -170,8 +172,10 @@ def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    from ..engines import engine_from_env
     from ..hub import source_path
 
+    args.engine = args.engine or engine_from_env()  # (the engine's container may name it once: TRANSFORMD_ENGINE)
     args.src = source_path(args.src, args.revision, note=sys.stderr)  # a repo id: its snapshot in the hub cache
     target, why = _choose_target(args)
     if target is None:  # native MX: the source is what the engine should load
@@ -201,6 +205,7 @@ def _run_convert(args: argparse.Namespace) -> int:
             progress=update,
             engine=args.engine,
             head_start=False if args.no_head_start else None,
+            require_engine=True,  # (no engine named: refused if one would load it wrong without an error)
         )
     _print_outcome(result.readiness, args.engine, target, why)
     if result.left_out:
@@ -218,24 +223,28 @@ def _run_convert(args: argparse.Namespace) -> int:
 def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     from ..cache import Cache, CacheError, PendingIdentity, Recipe, TransformdConverter, cache_key
     from ..checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
+    from ..checkpoint.plan import source_layout
     from ..progress import ConvertProgress
 
     if args.overwrite:
         raise ValueError("--overwrite needs --out; cache entries are never overwritten (see 'transformd cache rm')")
     # a conversion of its own (no daemon) gets a head start as --out does (the daemon's never: its torch is imported)
     cache = Cache(args.cache_dir, converter=TransformdConverter(args.device, head_start=not args.no_head_start))
-    recipe = Recipe(target=target, scale_mode=args.scale_mode, select=args.select)
+    recipe = Recipe(target=target, scale_mode=args.scale_mode, select=args.select,
+                    layout=source_layout(args.src, args.engine))
     # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
     # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
     ours = cache.written_here()  # (another user's cache, a daemon's, is read by key only: its daemon keys, converts)
     identity = cache.identity_unless_alongside(args.src) if ours else None
     known = None if isinstance(identity, PendingIdentity) else identity
     cached = None if known is None else cache.get(cache_key(known, recipe))
-    if args.engine is not None:  # refuse before converting (headers only); the cache checks everything else
-        # a hit is checked against what its conversion recorded
-        report = _recorded_readiness(cached) if cached is not None else None
-        check_engine(report or plan_readiness(plan_conversion(args.src, select=args.select), target), args.engine,
-                     args.src)
+    if args.engine != "raw":  # refuse before converting (headers only); the cache checks everything else
+        # a hit is checked against what its conversion recorded; no engine named: what one would load wrong
+        report, plan = (_recorded_readiness(cached) if cached is not None else None), None
+        if report is None:
+            plan = plan_conversion(args.src, select=args.select, layout=recipe.layout)
+            report = plan_readiness(plan, target)
+        check_engine(report, args.engine, args.src, plan, target)
     entry = cached  # a hit: the source was keyed and its entry found above, neither is done again
     if entry is None and not args.no_daemon:
         from .delegate import convert_through_daemon
@@ -270,6 +279,8 @@ def _recorded_readiness(entry) -> dict | None:
 
     try:
         recorded = entry.manifest.result["readiness"]  # (in the engines' order, not the manifest's sorted keys)
+        if any("misloads" not in r for r in recorded.values()):  # an older version's: computed again
+            return None
         return {e.value: EngineReadiness(**recorded[e.value]) for e in CHECKED_ENGINES if e.value in recorded} or None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -338,15 +349,15 @@ def _check_block_fp8(src: Path) -> None:
 def _run_inspect(args: argparse.Namespace) -> int:
     if args.out is None:
         from ..checkpoint import readiness_of_dir
-        from ..engines import readiness_line
+        from ..engines import readiness_lines
 
         _check_block_fp8(args.src)
         report = readiness_of_dir(args.src)
         for name, r in report.items():
-            print(shown(f"{name}: {readiness_line(r.loads_at, r.problems)}"))
-            below = r.problems if r.loads_at else r.problems[1:]  # (the first is on the line above)
-            for line in [*below, *(f"warning: {w}" for w in r.warnings)]:
-                print(f"  {shown(line)}")
+            first, *below = readiness_lines(r)
+            print(shown(f"{name}: {first}"))
+            for line in [*below, *(f"  warning: {w}" for w in r.warnings)]:
+                print(("  " if line.startswith(" ") else "") + shown(line))
         print(args.src)
         return EXIT_OK if any(r.loads for r in report.values()) else EXIT_BAD_INPUT
     from ..report import compare_checkpoints

@@ -38,7 +38,7 @@ from ..client import (
     TransformdClient,
     TransformdError,
 )
-from ..engines import TARGET_CHOICES, Engine, readiness_line
+from ..engines import ENGINE_ENV, TARGET_CHOICES, Engine, engine_from_env, readiness_lines
 from ..progress import draws_a_bar, human_bytes
 from .common import (EXIT_FAILURE, EXIT_OK, EXIT_TERMINATED, Terminated, exit_code, fail, non_negative_float,
                      positive_float, shown)
@@ -85,9 +85,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                               "GPUs with native MX); fnuz: float8_e4m3fnuz for kernels that take FNUZ directly; "
                               "ocp: float8_e4m3fn")
     resolve.add_argument("--engine", choices=ENGINES, default=None,
-                         help="who loads the output (vllm, sglang, transformers, raw): picks the target for auto, "
-                              "and the daemon refuses (exit 2) a checkpoint that engine could not load at any "
-                              "tensor-parallel size")
+                         help="who loads the output (vllm, sglang, transformers, raw): picks the target for auto "
+                              "(and for sglang writes fused expert stacks per expert), and the daemon refuses (exit 2) "
+                              "a checkpoint that engine could not load at any tensor-parallel size. Default: "
+                              f"${ENGINE_ENV}; with neither, a checkpoint some engine would load wrong without an "
+                              "error is refused (raw: transformd.loader or your own kernels, no check)")
     resolve.add_argument("--scale-mode", choices=SCALE_MODES, default="exact",
                          help="exact: power-of-two tile scales (default); amax: amax/448")
     resolve.add_argument("--select", metavar="REGEX",
@@ -124,6 +126,7 @@ def _client(args: argparse.Namespace) -> TransformdClient:
 
 def run_resolve(args: argparse.Namespace) -> int:
     """Handler of ``transformd resolve``."""
+    args.engine = args.engine or engine_from_env()  # (the engine's container may name it once: TRANSFORMD_ENGINE)
     reporter = ProgressReporter(sys.stderr, every_s=args.progress_every)
     try:
         with _client(args) as client:
@@ -189,8 +192,9 @@ def _say_target_and_readiness(body: dict[str, Any], engine: str | None) -> None:
         print(shown(f"transformd: target {recipe.get('target', 'none')}: {body['target_reason']}"), file=sys.stderr)
     for name, r in (body.get("readiness") or {}).items():
         if engine in (None, name) and isinstance(r, dict):
-            said = readiness_line(r.get("loads_at") or [], r.get("problems") or [])
-            print(shown(f"transformd: {name}: {said}"), file=sys.stderr)
+            first, *rest = readiness_lines(r)
+            for line in [f"transformd: {name}: {first}", *rest]:
+                print(("  " if line.startswith(" ") else "") + shown(line), file=sys.stderr)  # (shown: one line)
             for warning in r.get("warnings") or []:  # (e.g. a flag the engine needs: convert prints the same)
                 print(shown(f"transformd: warning: {name}: {warning}"), file=sys.stderr)
 

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from ..cache import Cache, EntryLeasedError, EntryNotFoundError, PendingIdentity, Recipe, cache_key
 from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
-from ..engines import Platform, choose_target
+from ..checkpoint.layout import Layout, layout_for
+from ..engines import Platform, choose_target, unnamed_refusal
 from ..hub import HubResolver
 from ..platform import detect_platform
 from .docs import install_docs
@@ -213,7 +214,8 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, caller: Caller) -> dict[str, Any]:
+def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, caller: Caller,
+                    layout: str = "as-is") -> dict[str, Any]:
     """Blocking: readiness of the output a conversion of ``source`` would write (headers only, read through checked
     descriptors); 403 unless ``caller`` could read the files opened now (the path may name others by then)."""
     from ..checkpoint import plan_conversion, plan_readiness
@@ -221,7 +223,7 @@ def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, cal
     try:
         with d.cache.open_source(source) as tree:
             missing = denied(caller, tree.facts())
-            plan = None if missing is not None else plan_conversion(tree.view(), select=select)
+            plan = None if missing is not None else plan_conversion(tree.view(), select=select, layout=layout)
     except ApiError:
         raise
     except Exception as e:
@@ -229,6 +231,18 @@ def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, cal
     if plan is None:
         raise unreadable(caller, source, str(missing))
     return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
+
+
+def _source_layout(d: Daemon, source: str, engine: str | None) -> Layout:
+    """Blocking: :func:`transformd.checkpoint.plan.source_layout` of ``source``, read through checked descriptors (as-is
+    when it cannot be opened: the request's own checks say why)."""
+    from ..checkpoint.plan import source_layout
+
+    try:
+        with d.cache.open_source(source) as tree:
+            return source_layout(tree.view(), engine)
+    except Exception:
+        return Layout.AS_IS
 
 
 def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
@@ -249,9 +263,14 @@ def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
 
 
 def _check_engine(report: dict[str, Any] | None, engine: str | None) -> None:
-    """422 when ``engine`` could not load the checkpoint at any tensor-parallel size."""
+    """422 when ``engine`` could not load the checkpoint at any tensor-parallel size; with no engine named, when an
+    engine would load it wrong without an error (``engine_needed``: name the engine, or ``raw``)."""
+    if engine is None and report is not None:
+        refusal = unnamed_refusal(report)
+        if refusal is not None:
+            raise ApiError(422, "engine_needed", refusal)
     r = report.get(engine) if engine is not None and report is not None else None
-    if r is not None and not r["loads_at"]:
+    if r is not None and not (r["loads_at"] or r.get("may_load_at")):
         raise ApiError(
             422,
             "engine_cannot_load",
@@ -303,7 +322,11 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             async with slot:
                 real = await _thread(_readable_source, d, source, caller)
             return _json({**passthrough_view(real, reason), **hub})
-        recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
+        layout = layout_for(body.engine)
+        if layout is not Layout.AS_IS:  # (per-expert only for a source with a fused stack: else the same entry)
+            async with slot:
+                layout = await _thread(_source_layout, d, source, body.engine)
+        recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select, layout=layout)
         async with slot:
             ident = await service.identify(source, defer=True)
         if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
@@ -329,7 +352,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 d.grant(key, caller)
                 return await _ready(info, job, reason, body.engine, hub)
         metrics.cache_misses.inc()
-        async with _admitted(caller, key, source, body, target):
+        async with _admitted(caller, key, source, body, recipe):
             d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
             job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
         assert job is not None
@@ -346,7 +369,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         if missing is not None:
             raise unreadable(caller, source, missing)
         slot = pending.slot(recipe)
-        async with _admitted(caller, slot, source, body, recipe.target):
+        async with _admitted(caller, slot, source, body, recipe):
             job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True)
         if job is None:
             return None
@@ -361,7 +384,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
 
     @contextlib.asynccontextmanager
     async def _admitted(caller: Caller, key: str, source: str, body: CheckpointRequest,
-                        target: str) -> AsyncIterator[None]:
+                        recipe: Recipe) -> AsyncIterator[None]:
         """Around the start of a job for ``key`` (unless the request joins the active one): a place in the caller's
         limit of queued conversions, taken before anything is awaited and held until the job exists (429 past
         it), then the engine's check of the converted checkpoint (from the headers, in a source slot; 422)."""
@@ -370,9 +393,10 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         place = contextlib.nullcontext() if joins else service.reserve(  # (admins' and root's too)
             caller.uid, key, d.settings.max_queued_per_caller, caller.describe())
         with place:
-            if body.engine is not None and not joins:
+            if body.engine != "raw" and not joins:  # (no engine named: refused if one would load it wrong, no error)
                 async with d.source_slot(caller):  # (it reads the source's headers)
-                    report = await _thread(_plan_readiness, d, source, body.select, target, caller)
+                    report = await _thread(_plan_readiness, d, source, body.select, recipe.target, caller,
+                                           recipe.layout)
                 _check_engine(report, body.engine)
             yield
 

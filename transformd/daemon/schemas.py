@@ -48,8 +48,10 @@ class CheckpointRequest(BaseModel):
     )
     engine: Literal["vllm", "sglang", "transformers", "raw"] | None = Field(
         None,
-        description="who loads the output: picks the target for auto, and a checkpoint that engine could not "
-        "load at any tensor-parallel size is refused (422 engine_cannot_load)",
+        description="who loads the output: picks the target for auto (sglang: fused expert stacks are written per "
+        "expert), and a checkpoint that engine could not load at any tensor-parallel size is refused (422 "
+        "engine_cannot_load); none: a checkpoint some engine would load wrong without an error is refused (422 "
+        "engine_needed; raw: no check)",
     )
     scale_mode: Literal["exact", "amax"] = Field("exact", description="exact: power-of-two tile scales; amax: /448")
     select: str | None = Field(
@@ -122,8 +124,10 @@ class CheckpointInfo(BaseModel):
     target_reason: str | None = Field(None, description="why this target (or no conversion) was chosen")
     readiness: dict[str, dict] | None = Field(
         None,
-        description="per engine (vllm, sglang, transformers): loads_at (tensor-parallel sizes), problems, warnings "
-        "(ready only)",
+        description="per engine (vllm, sglang, transformers): loads_at (tensor-parallel sizes), problems (every "
+        "reason, with its TP sizes), warnings, may_load_at and conditions (TP sizes it may load at, and how), "
+        "misloads (problems it loads with, wrongly, without an error), rules_from (the engine releases the rules "
+        "were read from and checked against) (ready only)",
     )
 
 

@@ -112,7 +112,7 @@ class TransformdShardConverter(TransformdConverter):
     def plan(self, src: Path, recipe: Recipe) -> ConversionOutline:
         from ..checkpoint import plan_conversion
 
-        plan = plan_conversion(src, select=recipe.select)
+        plan = plan_conversion(src, select=recipe.select, layout=recipe.layout)
         return ConversionOutline(tuple(s.name for s in plan.shards), plan.tensor_count, plan.data_bytes, plan)
 
     def __repr__(self) -> str:
