@@ -1,0 +1,52 @@
+"""What a newcomer meets on the command line (issue 45): a typo is "no such directory" before any advice about the
+daemon's roots or downloads, a refusal says its real reason the first time, flags and usage as one would guess."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from transformd import cli
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, list[str], list[str]]:
+    code = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err.splitlines()
+
+
+def test_a_typo_is_no_such_directory_before_any_advice(tmp_path: Path, daemons, capsys, monkeypatch) -> None:
+    """``resolve /models/modls/X`` was told to restart the daemon with --allow-root, ``resolve modls/X`` to start it
+    with --allow-hub-cache, ``convert modls/X`` to run ``hf download``: the caller's own view comes first. A name
+    that is there (a directory outside the roots, a repo in the hub cache) keeps the daemon's answer as it was."""
+    models = tmp_path / "models"
+    models.mkdir()
+    daemon = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[models])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    sock = ["--socket", str(daemon.socket_path)]
+
+    code, out, err = _run(capsys, "resolve", *sock, tmp_path / "modls" / "X")
+    assert code == 2 and out == [] and len(err) == 1, err
+    assert err[0].startswith(f"transformd: error: no such directory: {tmp_path / 'modls' / 'X'} "), err
+    assert err[0].index("no such directory") < err[0].index("--allow-root"), "the advice comes after, if at all"
+
+    code, out, err = _run(capsys, "resolve", *sock, "modls/X")  # relative: read as a repo id
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"transformd: error: modls/X is neither a directory here (no {tmp_path / 'modls/X'}) "
+                             f"nor a repo in the Hugging Face hub cache {tmp_path / 'hub'}: check the name"), err
+    assert err[0].index("check the name") < err[0].index("--allow-hub-cache")
+
+    code, out, err = _run(capsys, "convert", "modls/X", "--out", tmp_path / "o", "--device", "cpu")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"transformd: error: no such directory: {tmp_path / 'modls/X'}; as a repo id, "), err
+    assert err[0].index("no such directory") < err[0].index("hf download")
+
+    (tmp_path / "elsewhere").mkdir()  # there, but outside the roots: the daemon's own answer
+    code, _, err = _run(capsys, "resolve", *sock, tmp_path / "elsewhere")
+    assert code == 2 and "outside the allowed roots" in err[0] and "no such directory" not in err[0], err
+    (tmp_path / "hub" / "models--org--M").mkdir(parents=True)  # a repo here: the daemon's answer is the news
+    code, _, err = _run(capsys, "resolve", *sock, "org/M")
+    assert code == 2 and err[0].startswith("transformd: error: repo id org/M is refused: "), err
+    assert not (tmp_path / "o").exists() and not any((tmp_path / "cache" / "entries").iterdir())
