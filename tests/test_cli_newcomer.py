@@ -50,3 +50,26 @@ def test_a_typo_is_no_such_directory_before_any_advice(tmp_path: Path, daemons, 
     code, _, err = _run(capsys, "resolve", *sock, "org/M")
     assert code == 2 and err[0].startswith("transformd: error: repo id org/M is refused: "), err
     assert not (tmp_path / "o").exists() and not any((tmp_path / "cache" / "entries").iterdir())
+
+
+def test_serve_without_a_usable_allowed_root_refuses_to_start(tmp_path: Path) -> None:
+    """A daemon with no --allow-root (or only roots that are not there) started, ``health`` said ok, and compose's
+    service_healthy and the Kubernetes probes passed: the failure showed only at an engine's first resolve. Now it
+    says so in one line and does not start (exit 2, no socket)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFORMD_")}
+    base = [sys.executable, "-m", "transformd", "serve", "--socket", str(tmp_path / "td.sock"), "--cache-dir",
+            str(tmp_path / "cache"), "--device", "cpu"]
+    (tmp_path / "file").write_text("x")
+    for extra, said in (([], "no allowed root: this daemon would refuse every source; name the directories that "
+                             "hold the checkpoints with --allow-root DIR"),
+                        (["--allow-root", str(tmp_path / "nope"), "--allow-root", str(tmp_path / "file")],
+                         f"no allowed root can be used, so this daemon would refuse every source: {tmp_path / 'nope'} "
+                         f"does not exist; {tmp_path / 'file'} is not a directory")):
+        r = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert r.stderr.startswith(f"transformd: error: {said}"), r.stderr
+        assert not (tmp_path / "td.sock").exists()
