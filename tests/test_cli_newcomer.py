@@ -73,3 +73,25 @@ def test_serve_without_a_usable_allowed_root_refuses_to_start(tmp_path: Path) ->
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
         assert r.stderr.startswith(f"transformd: error: {said}"), r.stderr
         assert not (tmp_path / "td.sock").exists()
+
+
+def test_out_onto_other_files_says_the_real_reason_the_first_time(tmp_path: Path, capsys) -> None:
+    """``--out`` onto a directory of other files was refused twice: "pass --overwrite", then, with it, "holds files
+    that are not a transformd output". The first refusal says the second's reason; an earlier conversion's output
+    still asks for --overwrite, which then replaces it."""
+    from transformd.sample import write_sample_checkpoint
+
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, stdout, stderr = _run(capsys, "convert", src, "--out", out, "--device", "cpu")
+    assert code == 2 and stdout == [] and len(stderr) == 1, stderr
+    assert "not a transformd output" in stderr[0] and "choose another --out" in stderr[0], stderr
+    assert "pass --overwrite" not in stderr[0]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    (out / "notes.txt").unlink()
+    assert _run(capsys, "convert", src, "--out", out, "--device", "cpu")[0] == 0
+    code, _, stderr = _run(capsys, "convert", src, "--out", out, "--device", "cpu")
+    assert code == 2 and "holds an earlier conversion's output; pass --overwrite" in stderr[0], stderr
+    assert _run(capsys, "convert", src, "--out", out, "--device", "cpu", "--overwrite")[0] == 0
