@@ -95,3 +95,32 @@ def test_out_onto_other_files_says_the_real_reason_the_first_time(tmp_path: Path
     code, _, stderr = _run(capsys, "convert", src, "--out", out, "--device", "cpu")
     assert code == 2 and "holds an earlier conversion's output; pass --overwrite" in stderr[0], stderr
     assert _run(capsys, "convert", src, "--out", out, "--device", "cpu", "--overwrite")[0] == 0
+
+
+def test_flags_and_usage_as_a_newcomer_guesses_them(capsys) -> None:
+    """``--allow-roots`` (the environment variable is plural) is taken as ``--allow-root``; an unknown flag prints the
+    usage of the command it was given to (it printed the top-level usage, which names none of its flags)."""
+    args = cli.build_parser().parse_args(["serve", "--allow-roots", "/a", "--allow-root", "/b"])
+    assert args.allow_root == [Path("/a"), Path("/b")]
+    for argv, usage, unknown in ((["resolve", "--foo", "/models/X"], "transformd resolve", "--foo"),
+                                 (["cache", "ls", "--bar"], "transformd cache ls", "--bar"),
+                                 (["serve", "--allow-rot", "/a"], "transformd serve", "--allow-rot /a")):
+        code, out, err = _run(capsys, *argv)
+        assert code == 2 and out == [], err
+        assert err[0].startswith(f"usage: {usage} "), err
+        assert err[-1] == f"{usage}: error: unrecognized arguments: {unknown}", err
+
+
+def test_a_cold_resolve_says_why_this_target_as_a_warm_one_does(tmp_path: Path, daemons, capsys) -> None:
+    """The warm ``resolve`` printed "target ...: reason"; the cold one, which polls for the entry, did not."""
+    from transformd.sample import write_sample_checkpoint
+
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "S", layers=1, experts=2)
+    daemon = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[models])
+    said = []
+    for _ in ("cold", "warm"):
+        code, out, err = _run(capsys, "resolve", "--socket", daemon.socket_path, src, "--engine", "vllm")
+        assert code == 0 and len(out) == 1, err
+        said.append([line for line in err if line.startswith("transformd: target ")])
+    assert said[0] == said[1] and len(said[0]) == 1 and said[0][0].startswith("transformd: target ocp: vllm"), said

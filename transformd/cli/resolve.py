@@ -192,8 +192,14 @@ def resolve_with_progress(
         "when a conversion worker is free); progress shows once it has the key"))
     waiting.daemon = True
 
+    said: dict[str, Any] = {}
+
     def progress(status: CheckpointStatus) -> None:
         waiting.cancel()
+        if status.raw.get("target_reason"):  # (the request's answer says why this target; the polls do not)
+            said["target_reason"] = status.raw["target_reason"]
+        elif said and isinstance(status.raw, dict):
+            status.raw.update(said)
         last[:] = [status]
         reporter.update(status)
 
