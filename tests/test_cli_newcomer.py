@@ -124,3 +124,31 @@ def test_a_cold_resolve_says_why_this_target_as_a_warm_one_does(tmp_path: Path, 
         assert code == 0 and len(out) == 1, err
         said.append([line for line in err if line.startswith("transformd: target ")])
     assert said[0] == said[1] and len(said[0]) == 1 and said[0][0].startswith("transformd: target ocp: vllm"), said
+
+
+def test_a_refused_request_is_one_line_of_the_daemons_log(tmp_path: Path, daemons, caplog) -> None:
+    """Only "converted" lines appeared at the default level (info): an operator could not see why an engine failed.
+    Each refused or failed request is one line: status, code, caller uid, source as given."""
+    import logging
+    import os
+
+    models = tmp_path / "models"
+    models.mkdir()
+    daemon = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[models])
+    caplog.set_level(logging.INFO, logger="transformd.daemon")
+    with daemon.client() as http:
+        assert http.post("/v1/checkpoints", json={"source": str(tmp_path / "elsewhere")}).status_code == 403
+        assert http.post("/v1/checkpoints", json={"source": str(models / "nope")}).status_code == 404
+        assert http.post("/v1/checkpoints", json={"source": str(models), "target": "x"}).status_code == 400
+        assert http.get("/v1/checkpoints/" + "0" * 32).status_code == 404
+    lines = [r.getMessage() for r in caplog.records if r.name == "transformd.daemon" and r.levelno == logging.INFO
+             and r.getMessage().startswith("refused ")]
+    uid = os.geteuid()
+    assert lines[0].startswith(f"refused POST /v1/checkpoints: 403 source_not_allowed, uid {uid}, source "
+                               f"{str(tmp_path / 'elsewhere')!r}: source "), lines
+    assert lines[1].startswith(f"refused POST /v1/checkpoints: 404 source_not_found, uid {uid}, source "
+                               f"{str(models / 'nope')!r}: "), lines
+    assert lines[2].startswith(f"refused POST /v1/checkpoints: 400 bad_request, uid {uid}, source {str(models)!r}: "), \
+        lines
+    assert lines[3].startswith(f"refused GET /v1/checkpoints/{'0' * 32}: 404 "), lines
+    assert len(lines) == 4, lines
