@@ -3,6 +3,7 @@ daemon's roots or downloads, a refusal says its real reason the first time, flag
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,34 @@ def test_a_refused_request_is_one_line_of_the_daemons_log(tmp_path: Path, daemon
         lines
     assert lines[3].startswith(f"refused GET /v1/checkpoints/{'0' * 32}: 404 "), lines
     assert len(lines) == 4, lines
+
+
+def test_cache_ls_lists_the_cache_of_the_daemon_resolve_asks(tmp_path: Path, daemons, capsys, monkeypatch) -> None:
+    """Right after a resolve, ``cache ls`` said "no entries": it read ~/.cache/transformd, not the daemon's cache.
+    With no cache named and a daemon answering, it lists the daemon's (what this user may see) and says so; with no
+    daemon, the default cache, saying that no daemon answered."""
+    from transformd.cache import Cache
+    from transformd.sample import write_sample_checkpoint
+
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "S", layers=1, experts=2)
+    daemon = daemons.start(cache_dir=tmp_path / "daemon-cache", allow_roots=[models])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    Cache(tmp_path / "xdg" / "transformd")  # the caller's own default cache, empty
+    monkeypatch.setenv("TRANSFORMD_SOCKET", str(daemon.socket_path))
+    code, out, _ = _run(capsys, "resolve", src)
+    assert code == 0
+    key = Path(out[-1]).parent.name
+    code, out, err = _run(capsys, "cache", "ls")
+    assert code == 0, err
+    assert out[0] == (f"cache {tmp_path / 'daemon-cache'} (of the daemon at unix socket {daemon.socket_path}, the "
+                      "entries this user may see; --cache-dir DIR lists another)"), out
+    assert out[2].split()[0] == key and out[2].rstrip().endswith(str(src)) and "ocp/exact" in out[2], out
+    assert out[3].startswith("1 entries, "), out
+    code, out, _ = _run(capsys, "cache", "ls", "--json")
+    assert [e["key"] for e in json.loads("\n".join(out))["entries"]] == [key]
+    code, out, _ = _run(capsys, "cache", "ls", "--cache-dir", tmp_path / "xdg" / "transformd")
+    assert out[:2] == [f"cache {tmp_path / 'xdg' / 'transformd'}", "no entries"], out
+    monkeypatch.setenv("TRANSFORMD_SOCKET", str(tmp_path / "no.sock"))
+    code, out, _ = _run(capsys, "cache", "ls")
+    assert out[:2] == [f"cache {tmp_path / 'xdg' / 'transformd'} (no daemon answers here)", "no entries"], out
