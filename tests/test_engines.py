@@ -348,7 +348,8 @@ def test_target_auto(platform: Platform, engine: str | None, expected: str | Non
 
 
 def test_engine_that_cannot_load_is_refused_before_anything_is_written(tmp_path: Path, capsys) -> None:
-    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2, hidden=320, moe_intermediate=224, head_dim=64)
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2, hidden=320, moe_intermediate=224, head_dim=64,
+                                  fp8_kv_cache=True)
     with pytest.raises(CheckpointError, match="sglang could not load the converted checkpoint at any TP size"):
         convert_checkpoint(src, tmp_path / "out", target="ocp", device="cpu", engine="sglang")
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -359,7 +360,7 @@ def test_engine_that_cannot_load_is_refused_before_anything_is_written(tmp_path:
     assert cli.main(["convert", str(src), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 0
     *err, summary = capsys.readouterr().err.splitlines()
     assert len(err) == 4 and all(line.startswith("transformd: warning: ") for line in err), err
-    assert "vllm could not load" in err[0] and "--kv-cache-dtype fp8" in err[1]  # (the sample asks for an FP8 KV)
+    assert "vllm could not load" in err[0] and "--kv-cache-dtype fp8" in err[1]  # (this sample asks for an FP8 KV)
     assert "sglang could not load this checkpoint at any TP size: TP 1: model.layers.*" in err[2]
     assert "more: transformd inspect DIR)" in err[2]
     assert summary.startswith("transformd: converted ")
@@ -434,7 +435,7 @@ def _daemon(daemons: Daemons, tmp_path: Path, models: Path, platform: Platform):
 
 def test_daemon_target_auto_engine_readiness_and_refusal(tmp_path: Path, daemons: Daemons) -> None:
     models = tmp_path / "models"
-    good = write_sample_checkpoint(models / "good", layers=1, experts=2)
+    good = write_sample_checkpoint(models / "good", layers=1, experts=2, fp8_kv_cache=True)
     odd = write_sample_checkpoint(models / "odd", layers=1, experts=2, hidden=320, moe_intermediate=224, head_dim=64)
     daemon = _daemon(daemons, tmp_path, models, Platform("amd", "gfx942"))
     try:

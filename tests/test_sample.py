@@ -339,3 +339,28 @@ def test_a_sample_stopped_part_way_leaves_nothing(tmp_path: Path, monkeypatch, e
     assert sorted(os.listdir(tmp_path)) == ["s"] and not [n for n in os.listdir(out) if n.startswith(".")]
     if existing:
         assert (out.stat().st_ino, stat.S_IMODE(out.stat().st_mode)) == (before.st_ino, 0o2775)
+
+
+def test_the_sample_loads_in_every_engine_without_a_warning(tmp_path: Path, capsys) -> None:
+    """The project's own sample is the first thing a newcomer converts: ``sample``, ``convert`` and ``inspect`` print
+    no warning (it printed vLLM's three-line KV-cache advice on every call), and every engine loads it. A checkpoint
+    that asks for an FP8 KV cache still gets the warning."""
+    from transformd import cli
+
+    for kv, name in ((False, "plain"), (True, "kv")):
+        if kv:
+            write_sample_checkpoint(tmp_path / name, fp8_kv_cache=True)
+        else:
+            assert cli.main(["sample", str(tmp_path / name)]) == 0
+        assert cli.main(["convert", str(tmp_path / name), "--out", str(tmp_path / f"{name}-out"), "--device",
+                         "cpu"]) == 0
+        assert cli.main(["inspect", str(tmp_path / f"{name}-out")]) == 0
+        captured = capsys.readouterr()
+        warnings = [line for line in captured.err.splitlines() if "warning" in line]
+        if kv:
+            assert warnings and all("--kv-cache-dtype fp8" in w for w in warnings), captured.err
+        else:
+            assert warnings == [], captured.err
+            assert "warning" not in captured.out.lower() and "kv-cache" not in captured.out, captured.out
+            for engine in ("vllm", "sglang", "transformers"):
+                assert f"{engine}: loads" in captured.out, captured.out

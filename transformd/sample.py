@@ -116,6 +116,7 @@ def write_sample_checkpoint(
     head_dim: int = 128,
     kv_heads: int = 1,
     vocab: int = 512,
+    fp8_kv_cache: bool = False,
 ) -> Path:
     """Write a ModelOpt-layout MXFP8 MoE checkpoint into ``path`` and return it.
 
@@ -125,6 +126,9 @@ def write_sample_checkpoint(
     ``shards == 1``); shard 1 holds no MXFP8 tensor. ``hidden``,
     ``moe_intermediate``, ``head_dim``, ``kv_heads`` and ``vocab`` size the
     model (a benchmark can ask for a multi-GB one); the defaults give ~3 MB.
+    ``fp8_kv_cache``: the configs ask for an FP8 KV cache, as many ModelOpt exports do (vLLM then needs
+    ``--kv-cache-dtype fp8``, which readiness warns of); off by default, so the sample loads in every engine
+    without a warning.
     """
     if scale_suffix not in ("weight_scale", "weight_scale_inv"):
         raise ValueError(f"scale_suffix must be 'weight_scale' or 'weight_scale_inv', not {scale_suffix!r}")
@@ -176,9 +180,9 @@ def write_sample_checkpoint(
                     writer.write(made(part for layer in run for part in _layer_parts(make, dims, layer, fused_experts)))
                 writer.write_index()
 
-        config = _model_config(dims, layers)
+        config = _model_config(dims, layers, fp8_kv_cache)
         _write_json(out / "config.json", config)
-        _write_json(out / "hf_quant_config.json", _hf_quant_config())
+        _write_json(out / "hf_quant_config.json", _hf_quant_config(fp8_kv_cache))
         _write_json(out / "generation_config.json", _generation_config())
         _write_json(out / "tokenizer_config.json", _tokenizer_config())
         _write_json(out / "tokenizer.json", _tokenizer(vocab))
@@ -327,21 +331,17 @@ def _write_json(file: Path, obj: dict) -> None:
     file.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def _hf_quant_config() -> dict:
+def _hf_quant_config(fp8_kv_cache: bool) -> dict:
     """What ModelOpt writes next to an MXFP8 export (NVIDIA/Model-Optimizer PR #736)."""
-    return {
-        "producer": dict(PRODUCER),
-        "quantization": {
-            "quant_algo": "MXFP8",
-            "kv_cache_quant_algo": "FP8",
-            "group_size": MX_BLOCK,
-            "exclude_modules": list(EXCLUDE_MODULES),
-        },
-    }
+    quantization = {"quant_algo": "MXFP8", "kv_cache_quant_algo": "FP8", "group_size": MX_BLOCK,
+                    "exclude_modules": list(EXCLUDE_MODULES)}
+    if not fp8_kv_cache:
+        del quantization["kv_cache_quant_algo"]
+    return {"producer": dict(PRODUCER), "quantization": quantization}
 
 
-def _model_config(d: _Dims, layers: int) -> dict:
-    return {
+def _model_config(d: _Dims, layers: int, fp8_kv_cache: bool) -> dict:
+    config = {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         "hidden_size": d.hidden,
@@ -380,6 +380,9 @@ def _model_config(d: _Dims, layers: int) -> dict:
             "quant_method": "modelopt",
         },
     }
+    if not fp8_kv_cache:
+        del config["quantization_config"]["kv_cache_scheme"]
+    return config
 
 
 def _generation_config() -> dict:

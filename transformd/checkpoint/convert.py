@@ -283,13 +283,15 @@ def _check_out(src: Path, out: Path, overwrite: bool) -> None:
         raise CheckpointError("exists and is not a directory", file=out)
     if not any(out.iterdir()):
         return
-    if not overwrite:
-        raise CheckpointError("the output directory is not empty; pass --overwrite (overwrite=True in Python) to "
-                              "replace an earlier conversion's output there", file=out)
+    # (the real reason first: files of another kind were told to pass --overwrite, then refused again for them)
     if not _is_transformd_output(out):
-        raise CheckpointError("holds files that are not a transformd output (its config.json has no "
-                              "quantization_config.transformd record): --overwrite replaces only an earlier "
-                              "conversion's output; remove them yourself, or choose another --out", file=out)
+        raise CheckpointError("the output directory is not empty: it holds files that are not a transformd output "
+                              "(its config.json has no quantization_config.transformd record), and --overwrite "
+                              "replaces only an earlier conversion's output: choose another --out, or remove them "
+                              "yourself", file=out)
+    if not overwrite:
+        raise CheckpointError("the output directory is not empty: it holds an earlier conversion's output; pass "
+                              "--overwrite (overwrite=True in Python) to replace it", file=out)
 
 
 def _is_transformd_output(out: Path) -> bool:

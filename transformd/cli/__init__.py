@@ -59,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``transformd`` script; returns the exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # the subcommand's usage, not the top-level one (which names no flag of the command)
+            _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exit_:  # argparse reports usage errors itself, with code 2
         return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
     main_thread = threading.current_thread() is threading.main_thread()
@@ -78,6 +80,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` ran (``cache ls``: ls's), following the chosen sub-parsers down."""
+    while True:
+        chosen = [(action, getattr(args, action.dest, None)) for action in parser._actions
+                  if isinstance(action, argparse._SubParsersAction)]
+        if not chosen or chosen[0][1] not in chosen[0][0].choices:
+            return parser
+        action, name = chosen[0]
+        parser = action.choices[name]
 
 
 def _terminate(signum: int, frame: object) -> None:

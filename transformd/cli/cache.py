@@ -63,8 +63,55 @@ def _open(args: argparse.Namespace) -> Cache:
     return Cache(root, budget_bytes=getattr(args, "budget", None) if args.cache_command == "gc" else None)
 
 
+def _daemon_cache(args: argparse.Namespace) -> tuple[str, dict[str, Any]] | None:
+    """Where the daemon is and ``GET /v1/cache`` (the entries this caller may see), when no cache was named (no
+    --cache-dir, no $TRANSFORMD_CACHE_DIR) and a daemon answers: the cache ``transformd resolve`` resolves through,
+    not ``~/.cache/transformd`` (which said "no entries" right after a resolve). None: list the local cache."""
+    from ..cache.store import ENV_CACHE_DIR
+    from ..client import TransformdClient
+
+    if args.cache_dir is not None or os.environ.get(ENV_CACHE_DIR):
+        return None
+    try:
+        with TransformdClient(socket=getattr(args, "socket", None), timeout=10.0) as client:
+            return client.where, client.cache()
+    except TransformdError:  # no daemon here (or it cannot answer): the local cache, as before
+        return None
+
+
+def _ls_daemon(where: str, body: dict[str, Any], as_json: bool, out: TextIO) -> int:
+    """``cache ls`` of the daemon's cache, from its answer."""
+    if as_json:
+        json.dump({**body, "daemon": where}, out, indent=1)
+        out.write("\n")
+        return 0
+    now = time.time()
+    out.write(f"cache {body.get('root')} (of the daemon at {where}, the entries this user may see; --cache-dir DIR "
+              "lists another)\n")
+    rows = []
+    for e in body.get("entries") or []:
+        recipe = e.get("recipe") if isinstance(e.get("recipe"), dict) else {}
+        said = f"{recipe.get('target', '?')}/{recipe.get('scale_mode', '?')}"
+        said += f" select={recipe['select']}" if recipe.get("select") else ""
+        last = e.get("last_used")
+        rows.append([str(e.get("key")), human_bytes(e.get("size_bytes")), _ago(last if isinstance(last, float | int)
+                     else None, now), said, str(len(e.get("leases") or [])), str(e.get("source") or "?")])
+    if rows:
+        _table(rows, ["KEY", "SIZE", "LAST USED", "RECIPE", "LEASES", "SOURCE"], out, right=(1, 4))
+    else:
+        out.write("no entries\n")
+    out.write(f"{len(rows)} entries, {human_bytes(body.get('usage_bytes'))} of {human_bytes(body.get('budget_bytes'))} "
+              f"budget, {human_bytes(body.get('free_bytes'))} free on disk\n")
+    for c in body.get("conversions") or []:
+        out.write(f"converting {c.get('key')} from {c.get('source')}: {c.get('state')}\n")
+    return 0
+
+
 def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    daemon = _daemon_cache(args)
+    if daemon is not None:
+        return _ls_daemon(*daemon, args.json, out)
     cache = _open(args)
     now = time.time()
     entries = cache.entries()
@@ -110,7 +157,8 @@ def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
         )
         out.write("\n")
         return 0
-    out.write(f"cache {cache.root}\n")
+    named = args.cache_dir is not None or os.environ.get("TRANSFORMD_CACHE_DIR")
+    out.write(f"cache {cache.root}{'' if named else ' (no daemon answers here)'}\n")
     if rows:
         _table(rows, ["KEY", "SIZE", "LAST USED", "RECIPE", "LEASES", "SOURCE"], out, right=(1, 4))
     else:
@@ -220,8 +268,13 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cache_command", metavar="COMMAND", required=True)
 
-    ls = sub.add_parser("ls", parents=[common], help="list entries: key, size, last use, recipe, leases, source")
+    ls = sub.add_parser("ls", parents=[common], help="list entries: key, size, last use, recipe, leases, source",
+                        description="List the entries of a cache. Without --cache-dir (and $TRANSFORMD_CACHE_DIR), "
+                                    "the cache of the daemon 'transformd resolve' would ask, when one answers (the "
+                                    "entries this user may see); else the default cache directory. The first line "
+                                    "says which cache is listed.")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ls.add_argument("--socket", metavar="PATH", help="the daemon's unix socket (default: as 'transformd resolve')")
     ls.set_defaults(handler=cmd_ls)
 
     verify = sub.add_parser(

@@ -13,7 +13,8 @@ from ..engines import TARGET_CHOICES, Engine
 from ..errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILURE", "EXIT_OK", "EXIT_TERMINATED", "Terminated", "add_target_arguments",
-           "exit_code", "fail", "non_negative_float", "positive_float", "positive_int", "shown", "visible"]
+           "exit_code", "fail", "missing_here", "non_negative_float", "positive_float", "positive_int", "shown",
+           "visible"]
 
 #: Exit status after SIGTERM (128 + 15, as a shell reports a process the signal ended).
 EXIT_TERMINATED = 143
@@ -73,6 +74,23 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
              "$TRANSFORMD_ENGINE; with neither, a checkpoint some engine would load wrong without an error is refused; "
              "raw = transformd.loader or your own kernels (no check)",
     )
+
+
+def missing_here(source: str) -> str | None:
+    """The absolute path ``source`` names in the caller's own view when nothing is there (a typo), else None.
+
+    The CLI runs as the caller, so before any advice about a daemon's roots or downloads it can say "no such
+    directory". Only a name that is certainly absent counts (ENOENT, or a file where a directory was expected): a
+    path the caller may not look into (EACCES) is left to the daemon's answer.
+    """
+    path = os.path.abspath(os.path.expanduser(source))
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return path
+    except (OSError, ValueError):  # (EACCES, ELOOP, a NUL byte: not "absent")
+        return None
+    return None
 
 
 def user_path(text: str) -> Path:

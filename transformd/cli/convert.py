@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ..formats import ScaleMode
-from .common import (EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, non_negative_float, positive_int, shown,
-                     user_path, visible)
+from .common import (EXIT_BAD_INPUT, EXIT_OK, add_target_arguments, missing_here, non_negative_float, positive_int,
+                     shown, user_path, visible)
 
 __all__ = ["add_commands"]
 
@@ -173,10 +173,16 @@ def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None
 
 def _run_convert(args: argparse.Namespace) -> int:
     from ..engines import engine_from_env
-    from ..hub import source_path
+    from ..hub import RepoNotCachedError, RevisionNotCachedError, source_path
 
     args.engine = args.engine or engine_from_env()  # (the engine's container may name it once: TRANSFORMD_ENGINE)
-    args.src = source_path(args.src, args.revision, note=sys.stderr)  # a repo id: its snapshot in the hub cache
+    try:
+        args.src = source_path(args.src, args.revision, note=sys.stderr)  # a repo id: its snapshot in the hub cache
+    except RepoNotCachedError as err:  # (a relative name is a repo id unless it exists here: say so first)
+        path = None if isinstance(err, RevisionNotCachedError) else missing_here(args.src)
+        if path is None:
+            raise
+        raise type(err)(f"no such directory: {path}; as a repo id, {err.message}") from None
     target, why = _choose_target(args)
     if target is None:  # native MX: the source is what the engine should load
         print(f"transformd: nothing converted: {why}", file=sys.stderr)

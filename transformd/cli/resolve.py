@@ -24,6 +24,7 @@ degraded daemon still serves what it has cached, and restarting it does not mend
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -40,8 +41,8 @@ from ..client import (
 )
 from ..engines import ENGINE_ENV, TARGET_CHOICES, Engine, engine_from_env, readiness_lines
 from ..progress import draws_a_bar, human_bytes
-from .common import (EXIT_FAILURE, EXIT_OK, EXIT_TERMINATED, Terminated, exit_code, fail, non_negative_float,
-                     positive_float, shown)
+from .common import (EXIT_FAILURE, EXIT_OK, EXIT_TERMINATED, Terminated, exit_code, fail, missing_here,
+                     non_negative_float, positive_float, shown)
 
 __all__ = ["ProgressReporter", "add_commands", "resolve_with_progress", "run_health", "run_resolve"]
 
@@ -50,6 +51,9 @@ ENGINES = tuple(e.value for e in Engine)
 SCALE_MODES = ("exact", "amax")
 #: Seconds without an answer to the request after which ``resolve`` says what the daemon is doing.
 IDENTIFY_NOTICE_S = 3.0
+#: The daemon's refusals after which the caller's own view of SRC is looked at: a typo outside the roots (403), or a
+#: relative typo read as a repo id (403 hub cache not allowed, 404 not cached) gets "no such directory" first.
+_TYPO_CODES = frozenset({"source_not_allowed", "repo_not_cached", "repo_not_found"})
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -144,7 +148,7 @@ def run_resolve(args: argparse.Namespace) -> int:
                 revision=args.revision,
             )
     except TransformdError as err:
-        return fail(err, exit_code(err))
+        return fail(_said_of_a_typo(args.src, err), exit_code(err))
     except Terminated:
         return fail("terminated (SIGTERM; the conversion goes on in the daemon)", EXIT_TERMINATED)
     except KeyboardInterrupt:
@@ -153,6 +157,26 @@ def run_resolve(args: argparse.Namespace) -> int:
         _say_target_and_readiness(last.raw, args.engine)
     print(path, flush=True)
     return EXIT_OK
+
+
+def _said_of_a_typo(src: str, err: TransformdError) -> str:
+    """The daemon's refusal of ``src``, led by what the caller's own view says when nothing is there: advice to
+    restart the daemon with another root, or to download a repo, is no help for a typo. The daemon's answer follows
+    (it may see another file system, a container's)."""
+    if getattr(err, "code", None) not in _TYPO_CODES:
+        return str(err)
+    path = missing_here(src)
+    if path is None:
+        return str(err)
+    from ..hub import default_hub_cache, is_repo_id
+
+    if not is_repo_id(src):
+        return f"no such directory: {path} (the daemon's answer: {err})"
+    hub = default_hub_cache()
+    if os.path.lexists(hub / f"models--{src.replace('/', '--')}"):
+        return str(err)  # a repo of that name is here: the daemon's answer is the news
+    return (f"{src} is neither a directory here (no {path}) nor a repo in the Hugging Face hub cache {hub}: check the "
+            f"name (the daemon's answer: {err})")
 
 
 def resolve_with_progress(
@@ -171,8 +195,14 @@ def resolve_with_progress(
         "when a conversion worker is free); progress shows once it has the key"))
     waiting.daemon = True
 
+    said: dict[str, Any] = {}
+
     def progress(status: CheckpointStatus) -> None:
         waiting.cancel()
+        if status.raw.get("target_reason"):  # (the request's answer says why this target; the polls do not)
+            said["target_reason"] = status.raw["target_reason"]
+        elif said and isinstance(status.raw, dict):
+            status.raw.update(said)
         last[:] = [status]
         reporter.update(status)
 

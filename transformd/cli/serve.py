@@ -102,7 +102,9 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cache-budget", metavar="SIZE", help="cache byte budget: bytes, 500G, 1.5TiB, 80%%")
     p.add_argument(
         "--allow-root",
+        "--allow-roots",  # (the environment variable is plural: a natural typo, taken as it is meant)
         metavar="DIR",
+        dest="allow_root",
         type=user_path,
         action="append",
         help="accept sources under DIR (repeatable; symlinks are resolved before the check)",

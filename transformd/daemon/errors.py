@@ -19,6 +19,7 @@ to do. Client mistakes are 4xx, never 500:
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -97,16 +98,53 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+#: Characters of a request's source that a log line quotes.
+_LOGGED_SOURCE_CHARS = 300
+
+
+def _source_given(request: Request) -> str | None:
+    """The ``source`` of the request's JSON body as the caller gave it, when the route read the body (starlette keeps
+    a body it received on the request; one never received is not waited for here)."""
+    body = getattr(request, "_body", None)
+    if not body:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    source = data.get("source") if isinstance(data, dict) else None
+    return source[:_LOGGED_SOURCE_CHARS] if isinstance(source, str) else None
+
+
+def log_refusal(request: Request, error: ApiError) -> None:
+    """One line per refused or failed request (status, code, caller uid, source as given), at the default level: an
+    operator sees in the log why an engine's resolve failed (only "converted" lines appeared). 5xx are warnings."""
+    daemon = getattr(request.app.state, "daemon", None)
+    try:
+        uid = daemon.caller(request).uid if daemon is not None else None
+    except Exception:  # (the line is worth more than the uid)
+        uid = None
+    source = _source_given(request)
+    path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."
+    (log.warning if error.status >= 500 else log.info)(
+        "refused %s %s: %d %s, uid %s%s: %s", request.method, path, error.status, error.code,
+        "unknown" if uid is None or uid < 0 else uid, "" if source is None else f", source {source!r}", error.message)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Make every error, including FastAPI's own, a JSON error object (validation errors are 400, not 422)."""
+    """Make every error, including FastAPI's own, a JSON error object (validation errors are 400, not 422); each is
+    one line of the daemon's log (:func:`log_refusal`)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        log_refusal(request, exc)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return ApiError(400, "bad_request", _validation_message(exc)).response()
+        error = ApiError(400, "bad_request", _validation_message(exc))
+        log_refusal(request, error)
+        return error.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -122,7 +160,9 @@ def install_error_handlers(app: FastAPI) -> None:
                 headers["Allow"] = ", ".join(allowed)
             message = f"{request.method} is not allowed on {path} (allowed: {headers.get('Allow', '?')}); " \
                 "see /docs or /openapi.json"
-        return ApiError(exc.status_code, code, message, headers=headers or None).response()
+        error = ApiError(exc.status_code, code, message, headers=headers or None)
+        log_refusal(request, error)
+        return error.response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

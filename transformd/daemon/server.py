@@ -257,6 +257,37 @@ def _check_cache_not_writable_by_others(root: Path) -> None:
                              f"make {d} its own and 'chmod go-w' it")
 
 
+def _check_source_roots(settings: Settings) -> None:
+    """Refuse to start a daemon that would refuse every source (it started, ``health`` said ok, probes passed, and
+    the failure showed only at an engine's first resolve): no allowed root at all, or none that is a directory the
+    daemon may read. A hub cache added by ``--allow-hub-cache`` counts when it is there, or may be downloaded into.
+    Each root that is not usable among usable ones is a warning at start."""
+    def unusable(root: Path) -> str | None:
+        if not root.is_dir():
+            return "does not exist" if not root.exists() else "is not a directory"
+        if not os.access(root, os.R_OK | os.X_OK):
+            return f"cannot be read by the daemon (uid {os.geteuid()})"
+        return None
+
+    if not settings.source_roots():
+        raise SettingsError(
+            "no allowed root: this daemon would refuse every source; name the directories that hold the checkpoints "
+            "with --allow-root DIR (repeatable; TRANSFORMD_ALLOW_ROOTS, separated by ':'), or --allow-hub-cache to "
+            "serve the repo ids of its Hugging Face hub cache")
+    problems = {root: unusable(root) for root in settings.allow_roots}
+    if settings.allow_hub_cache and not settings.allow_download:
+        problems[settings.hub_cache_dir()] = unusable(settings.hub_cache_dir())
+    bad = {root: why for root, why in problems.items() if why is not None}
+    if len(bad) == len(problems) and not (settings.allow_hub_cache and settings.allow_download):
+        said = "; ".join(f"{root} {why}" for root, why in bad.items())
+        raise SettingsError(f"no allowed root can be used, so this daemon would refuse every source: {said}; mount "
+                            "the checkpoints there, or name the right directories with --allow-root "
+                            "(TRANSFORMD_ALLOW_ROOTS)")
+    for root, why in bad.items():
+        log.warning("allowed root %s %s: no source under it can be served until it is a readable directory",
+                    root, why)
+
+
 def serve(settings: Settings, *, converter: Any = None, cache: Any = None, stream: Any = None) -> int:
     """Run the daemon in this process until SIGINT/SIGTERM; returns the exit status. ``converter``, ``cache``: as
     :func:`.app.create_app` takes them (defaults: the real converter, a cache of ``settings``)."""
@@ -267,6 +298,7 @@ def serve(settings: Settings, *, converter: Any = None, cache: Any = None, strea
     os.umask(0o022)  # what it creates in the cache: never group- or world-writable; readable (engines of other users)
     app = create_app(settings, converter=converter, cache=cache)
     _check_cache_not_writable_by_others(app.state.daemon.cache.root)
+    _check_source_roots(settings)
     listeners = open_listeners(settings)
     server = build_server(app, settings)
 
