@@ -33,7 +33,9 @@ from .hub_sources import hub_source, remember_hub, with_hub
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
-from .peers import Caller, denied, path_denied, unreadable
+from ..cache.securefs import reading_as
+from .fscreds import Reader, caller_reads
+from .peers import Caller, path_denied, unreadable
 from .schemas import (
     CacheModel,
     CheckpointInfo,
@@ -213,14 +215,15 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, caller: Caller) -> dict[str, Any]:
+def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, reader: Reader) -> dict[str, Any]:
     """Blocking: readiness of the output a conversion of ``source`` would write (headers only, read through checked
-    descriptors); 403 unless ``caller`` could read the files opened now (the path may name others by then)."""
+    descriptors); 403 unless the caller could read the files opened now (the path may name others by then)."""
     from ..checkpoint import plan_conversion, plan_readiness
 
+    caller = reader.caller
     try:
-        with d.cache.open_source(source) as tree:
-            missing = denied(caller, tree.facts())
+        with reading_as(reader), d.cache.open_source(source) as tree:
+            missing = reader.denied(tree.facts())
             plan = None if missing is not None else plan_conversion(tree.view(), select=select)
     except ApiError:
         raise
@@ -231,13 +234,14 @@ def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, cal
     return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
 
 
-def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
-    """Blocking: the real path of ``source`` when it lies under the allowed roots and ``caller`` could read every
+def _readable_source(d: Daemon, source: str, reader: Reader) -> str:
+    """Blocking: the real path of ``source`` when it lies under the allowed roots and the caller could read every
     file of it (as for a conversion; nothing is hashed)."""
+    caller = reader.caller
     try:
         d.policy.check_allowed(source)
-        with d.cache.open_source(source) as tree:  # the checks of SourcePolicy.resolve, and the caller's rights
-            missing = denied(caller, tree.facts())
+        with reading_as(reader), d.cache.open_source(source) as tree:  # SourcePolicy.resolve's checks, the caller's
+            missing = reader.denied(tree.facts())
             real = tree.real
     except ApiError:
         raise
@@ -291,27 +295,28 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     )
     async def post_checkpoint(body: CheckpointRequest, request: Request) -> Response:
         caller = d.caller(request)
+        reader = d.reader(caller)  # every open of the source for this request: the caller's own (fscreds)
         slot = d.source_slot(caller)  # held for the work on the source: a caller takes a few source threads at most
         target, reason = choose_target(body.target, body.engine, d.platform)
         async with slot:
-            hub = await hub_source(d, body.source, body.revision, caller)  # {} for a path; else its snapshot
+            hub = await hub_source(d, body.source, body.revision, reader)  # {} for a path; else its snapshot
         source = d.policy.check_syntax(hub["hub"]["snapshot"] if hub else body.source)
-        if (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:
+        if not reader.kernel and (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:
             raise unreadable(caller, source, missing)  # (before anything of it is looked at: no 404, 422 or 507 said)
         if target is None:  # native MX: the engine loads the source itself
             async with slot:
-                real = await _thread(_readable_source, d, source, caller)
+                real = await _thread(_readable_source, d, source, reader)
             return _json({**passthrough_view(real, reason), **hub})
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
         async with slot:
-            ident = await service.identify(source, defer=True)
+            ident = await service.identify(source, defer=True, reader=reader)
         if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
-            answer = await _resolve_while_hashing(ident, source, recipe, caller, body, hub, reason)
+            answer = await _resolve_while_hashing(ident, source, recipe, reader, body, hub, reason)
             if answer is not None:
                 return answer
             async with slot:
-                ident = await service.identify(source)  # no worker free now: hash first, answer without the queue
-        missing = denied(caller, ident.access) if ident.access is not None else None
+                ident = await service.identify(source, reader=reader)  # no worker free now: hash first
+        missing = reader.denied(ident.access) if ident.access is not None else None
         if missing is not None:
             raise unreadable(caller, source, missing)
         key = cache_key(ident, recipe)
@@ -328,25 +333,26 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 d.grant(key, caller)
                 return await _ready(info, job, reason, body.engine, hub)
         metrics.cache_misses.inc()
-        await _admit(caller, key, source, body, target)
+        await _admit(reader, key, source, body, target)
         d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
-        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
+        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident, reader=reader)
         assert job is not None
         return await _answer(key, job, reason, body.engine, hub)
 
     async def _resolve_while_hashing(
-        pending: PendingIdentity, source: str, recipe: Recipe, caller: Caller, body: CheckpointRequest,
+        pending: PendingIdentity, source: str, recipe: Recipe, reader: Reader, body: CheckpointRequest,
         hub: dict[str, Any], reason: str | None,
     ) -> Response | None:
         """POST's answer for a source converted while it is hashed (read once): a job under the source's
         provisional name, answered once the hashing has the key, as ``queued``/``converting`` (202), or ``ready``
         when that key was cached already. None when no worker is free for it at once."""
-        missing = denied(caller, pending.access)
+        caller = reader.caller
+        missing = reader.denied(pending.access)
         if missing is not None:
             raise unreadable(caller, source, missing)
         slot = pending.slot(recipe)
-        await _admit(caller, slot, source, body, recipe.target)
-        job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True)
+        await _admit(reader, slot, source, body, recipe.target)
+        job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True, reader=reader)
         if job is None:
             return None
         key = await service.keyed(job)
@@ -358,10 +364,11 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             metrics.cache_misses.inc()
         return await _answer(key, job, reason, body.engine, hub)
 
-    async def _admit(caller: Caller, key: str, source: str, body: CheckpointRequest, target: str) -> None:
+    async def _admit(reader: Reader, key: str, source: str, body: CheckpointRequest, target: str) -> None:
         """Before a request starts a job for ``key`` (unless it joins the active one): the caller's limit of queued
         conversions (429), then the engine's check of the converted checkpoint (from the headers, in a source slot;
         422)."""
+        caller = reader.caller
         job = service.job(key)
         joins = job is not None and job.active
         if not joins and not d.is_admin(caller) and service.queued_by(caller.uid) >= d.settings.max_queued_per_caller:
@@ -370,7 +377,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                            headers={"Retry-After": "5"})
         if body.engine is not None and not joins:
             async with d.source_slot(caller):  # (it reads the source's headers)
-                report = await _thread(_plan_readiness, d, source, body.select, target, caller)
+                report = await _thread(_plan_readiness, d, source, body.select, target, reader)
             _check_engine(report, body.engine)
 
     async def _answer(key: str, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:
@@ -605,6 +612,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             "cache_root": str(cache.root),
             "device": d.device,
             "platform": d.platform.as_dict(),
+            "caller_reads": caller_reads(),
             "problems": problems,
         }
         return _json(body, 503 if problems else 200)

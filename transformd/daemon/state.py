@@ -21,8 +21,10 @@ from ..engines import Platform
 from ..hub import HubResolver
 from .files import EntryIndex
 from .metrics import Metrics
+from ..cache.securefs import reading_as
+from .fscreds import Reader
 from .paths import SourcePolicy
-from .peers import SCOPE_KEY, Caller, denied
+from .peers import SCOPE_KEY, Caller
 from .service import ConversionService
 from .settings import Settings
 
@@ -83,6 +85,10 @@ class Daemon:
             return self.settings.tcp_caller()
         return Caller(-1, frozenset(), None, "unix (credentials unknown)")
 
+    def reader(self, caller: Caller) -> Reader:
+        """What the opens of a source done for ``caller`` are checked by (:mod:`.fscreds`)."""
+        return Reader(caller)
+
     def health_limiter(self) -> anyio.CapacityLimiter:
         """Threads of /healthz only: its answer never waits behind other work."""
         if self._health_limiter is None:
@@ -112,9 +118,10 @@ class Daemon:
             source = info.source if info is not None else None
         if not source:
             return False
+        reader = self.reader(caller)
         try:
-            with self.cache.open_source(source) as tree:
-                ok = denied(caller, tree.facts()) is None
+            with reading_as(reader), self.cache.open_source(source) as tree:
+                ok = reader.denied(tree.facts()) is None
         except Exception:  # noqa: BLE001 - a source that cannot be opened proves nothing: refuse
             return False
         if ok:
