@@ -29,6 +29,7 @@ from transformd.sample import write_sample_checkpoint
 
 from .support.daemon import Daemons, short_tempdir, wait_ready
 from .support.callers import NOBODY, as_uid
+from .test_trust_oracles import mode  # noqa: F401 - the fixture: with the caller's credentials, and without
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -97,6 +98,7 @@ def test_a_caller_who_cannot_read_the_source_is_refused(world: dict[str, Any], f
                      "403 permission_denied, nothing converted for it")
 
 
+@pytest.mark.usefixtures("mode")
 def test_what_lies_in_a_directory_the_caller_cannot_search_is_not_told(world: dict[str, Any], fault_log) -> None:
     """A caller who cannot search uid 1000's 0700 directory learnt what is in it from the answers to paths in it:
     404 for a missing name, 400 "is not a directory" for a file, 422 "contains no files" for an empty directory, and
@@ -140,6 +142,7 @@ def test_what_lies_in_a_directory_the_caller_cannot_search_is_not_told(world: di
                      "one 403 for all: nothing of them looked at, nothing in them named")
 
 
+@pytest.mark.usefixtures("mode")
 def test_what_a_hub_cache_the_caller_cannot_search_holds_is_not_told(fault_log) -> None:
     """A repo id skipped the caller's check: with the hub cache in a 0700 directory, uid 65534 learnt which repos
     and revisions it held (404 repo_not_cached, 404 revision_not_cached, or a 403 naming the snapshot and its

@@ -54,6 +54,9 @@ SWAP_TESTS = ["tests/test_trust_callers.py", "-k", "swapped"]
 NAMESPACE_TESTS = ["tests/test_cache_keys.py", "-k", "namespace"]
 TRICKLE_TESTS = ["tests/test_trust_freezes.py", "-k", "trickling"]
 WALK_TESTS = ["tests/test_trust_callers.py", "-k", "cannot_search"]
+#: The tests of answers about what a caller may not read (issue 42, item 3 and 4), and of the borrowed credentials.
+ORACLE_TESTS = ["tests/test_trust_oracles.py", "-k", "links_into or exchanged"]
+FSCREDS_TESTS = ["tests/test_trust_fscreds.py"]
 
 
 @dataclass(frozen=True)
@@ -187,14 +190,36 @@ MUTANTS: list[Mutant] = [
       "    return denied(caller, AccessFacts((), (), tuple(facts)))", "    return None",
       WALK_TESTS),
     m("path-walk-not-asked", "transformd/daemon/app.py",
-      "if (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:",
+      "if not reader.kernel and (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:",
       "if (missing := None) is not None:", WALK_TESTS),
     m("path-walk-inside-unchecked", "transformd/daemon/peers.py",
-      "return None if allowed is None else _inside_denied(caller, os.path.realpath(path), allowed)", "return None",
-      WALK_TESTS),
+      "    return _inside_denied(caller, path, allowed)", "    return None", WALK_TESTS),
     m("hub-cache-unchecked", "transformd/daemon/hub_sources.py",
-      "if (missing := path_denied(caller, str(hub.cache_dir), listed=False)) is not None:",
+      "if not reader.kernel and (missing := path_denied(caller, str(hub.cache_dir), listed=False)) is not None:",
       "if (missing := None) is not None:", ["tests/test_trust_callers.py", "-k", "hub_cache"]),
+    # -- issue 42, items 3 and 4: the caller's own credentials, checks on descriptors (daemon/fscreds.py, peers.py,
+    # cache/securefs.py, hub.py); the oracle tests run with the caller's credentials and without ------------------
+    m("caller-credentials-not-taken", "transformd/daemon/fscreds.py",
+      "        if not self.kernel or self.caller.uid == 0:\n            return contextlib.nullcontext()",
+      "        if True:\n            return contextlib.nullcontext()", ORACLE_TESTS),
+    m("caller-groups-for-every-thread", "transformd/daemon/fscreds.py", "        _set_groups(groups)\n",
+      "        os.setgroups(groups)\n", FSCREDS_TESTS),
+    m("kernel-refusal-not-the-one-answer", "transformd/cache/securefs.py",
+      "if reader is not None and reader.kernel and e.errno in (errno.EACCES, errno.EPERM):", "if False:",
+      ORACLE_TESTS),
+    m("caller-check-after-sizing", "transformd/cache/securefs.py",
+      "        reader.check(tree)  # (before anything is sized", "        pass  # (", ORACLE_TESTS),
+    m("unopenable-entry-not-asked", "transformd/cache/securefs.py",
+      "    missing = reader.hides(path)\n", "    missing = None\n", ORACLE_TESTS),
+    m("way-walk-follows-links-unseen", "transformd/daemon/peers.py",
+      "_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC", "_PATH_FLAGS = os.O_PATH | os.O_CLOEXEC", ORACLE_TESTS),
+    m("hub-record-link-followed", "transformd/hub.py",
+      "os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)",
+      "os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=fd)",
+      ["tests/test_trust_oracles.py", "-k", "hub_records"]),
+    m("hub-snapshot-link-not-asked", "transformd/hub.py",
+      "    if hidden is not None and hidden(path):\n        raise PermissionError",
+      "    if False:\n        raise PermissionError", ["tests/test_trust_oracles.py", "-k", "hub_records"]),
     m("cache-dirs-listable", "transformd/cache/store.py",
       "dir_with_mode(d, 0o711 if d in (self.entries_dir, self.staging_dir) else 0o700)", "dir_with_mode(d, 0o755)",
       ["tests/test_cache_store.py", "-k", "list_nothing"]),
@@ -227,9 +252,9 @@ MUTANTS: list[Mutant] = [
     m("paths-roots-not-resolved", "transformd/daemon/paths.py", "tuple(os.path.realpath(os.fspath(r)) for r in roots)",
       "tuple(os.path.abspath(os.fspath(r)) for r in roots)", PATH_TESTS),
     m("paths-missing-outside-probed", "transformd/cache/securefs.py",
-      "            real = os.path.realpath(shown)\n            if not any(within(real, r) for r in roots):",
-      "            real = os.path.realpath(shown)\n            if os.path.exists(real) and not any(within(real, r) "
-      "for r in roots):", PATH_TESTS),
+      "            real = real_path(shown)\n            if real is None or not any(within(real, r) for r in roots):",
+      "            real = real_path(shown)\n            if real is not None and os.path.exists(real) and not "
+      "any(within(real, r) for r in roots):", PATH_TESTS),
     # -- the publish paths: fsync and rename ---------------------------------------------------------------------------
     m("fsync-noop-everywhere", "*", "os.fsync(", "(lambda fd: None)(", DURABILITY_TESTS, count=-1),
     m("seal-dir-fsync-dropped", "transformd/cache/store.py", "            os.chmod(d, 0o555)\n            fsync_path(d)",
