@@ -28,8 +28,8 @@ from transformd.cache import keys
 from transformd.sample import write_sample_checkpoint
 
 from .support.daemon import Daemons, short_tempdir, wait_ready
-from .support.callers import NOBODY, as_uid
-from .test_trust_oracles import mode  # noqa: F401 - the fixture: with the caller's credentials, and without
+from .support.callers import NOBODY, as_uid, refused_for
+from .test_trust_oracles import mode  # noqa: F401 - the fixture: with the caller's credentials and without
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -53,19 +53,6 @@ def _alices_checkpoint(base: Path) -> tuple[Path, Path]:
         os.chown(p, OWNER, OWNER)
     os.chmod(home, 0o700)
     return allowed, private
-
-
-def fscreds_missing() -> str:
-    from transformd.daemon import fscreds
-
-    return fscreds.KERNEL_MISSING
-
-
-def _missing(checked: str) -> str:
-    """What a 403 says is missing: ``checked`` where the daemon compares mode bits, else the kernel's one answer."""
-    from transformd.daemon import fscreds
-
-    return fscreds.KERNEL_MISSING if fscreds.kernel_available() else checked
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +104,8 @@ def test_what_lies_in_a_directory_the_caller_cannot_search_is_not_told(world: di
     for status, body in answers:
         assert status == 403 and body["error"]["code"] == "permission_denied", answers
     said = {body["error"]["message"].replace(str(s), "SRC") for s, (_, body) in zip(inside, answers[1:], strict=True)}
-    assert len(said) == 1 and _missing("search permission on a directory above the source") in said.pop(), answers
+    one = refused_for("search permission on a directory above the source")
+    assert len(said) == 1 and one in said.pop(), answers
     (status, body), = as_uid(world["sock"], NOBODY, [("POST", "/v1/checkpoints",
                                                       {"source": str(home.parent / "public" / "missing")})])
     assert status == 404, (status, body)
@@ -135,7 +123,8 @@ def test_what_lies_in_a_directory_the_caller_cannot_search_is_not_told(world: di
         os.chmod(mixed / "extra", 0o700)
     (status, body), = as_uid(world["sock"], NOBODY, [("POST", "/v1/checkpoints", {"source": str(mixed)})])
     assert status == 403 and body["error"]["code"] == "permission_denied", (status, body)
-    assert "leak" not in json.dumps(body) and _missing("read permission on a directory of the source") in json.dumps(body)
+    one = refused_for("read permission on a directory of the source")
+    assert "leak" not in json.dumps(body) and one in json.dumps(body)
     fault_log.record(CATEGORY, "uid 65534 POSTs paths in uid 1000's 0700 directory (a checkpoint, the directory, "
                      "missing names, a file, an empty directory, a link to a missing name), and a readable source "
                      "holding a 0700 directory with a link out of the roots", len(answers) + 1,
@@ -278,7 +267,7 @@ def test_a_source_swapped_after_its_check_is_not_converted_for_the_caller(daemon
         assert swapped, "the swap happened"
         assert not [p for p in read if p.startswith(str(home))], "no file of the private checkpoint read"
         code = {"engine check": "permission_denied"}.get(when, "source_changed")
-        if _missing("") == fscreds_missing():  # the job reopens it with the caller's own credentials: refused
+        if refused_for("") != "":  # the job reopens it with the caller's own credentials: refused
             code = "permission_denied"
         assert status in (403, 409) and body["error"]["code"] == code, (status, body)
         assert str(private) not in json.dumps(body)

@@ -234,6 +234,15 @@ def _inside(real: str, roots: Sequence[str]) -> bool:
     return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
+def _real(path: str) -> str:
+    """``os.path.realpath``, or ``""`` (inside nothing) when a link changed under it: its ``readlink`` raises then,
+    which was a 500 (an attack review's race)."""
+    try:
+        return os.path.realpath(path)
+    except (OSError, RecursionError):
+        return ""
+
+
 def _check_repo_folder(storage: str, roots: Sequence[str] | None, hidden: Callable[[str], bool] | None = None) -> None:
     """Before the repo's folder is looked into: everything in it must be a directory or a regular file, links
     included (a FIFO would block a reader, a device would never end), and, for the daemon, lead nowhere outside the
@@ -241,7 +250,7 @@ def _check_repo_folder(storage: str, roots: Sequence[str] | None, hidden: Callab
     descriptor (sizes included), since one may be swapped after this looked. ``hidden``: whether a link leads where
     the caller the lookup is done for could not look (such a link is passed over as a broken one is, unlooked at)."""
     bad = _bad_record
-    if roots is not None and not _inside(os.path.realpath(storage), roots):
+    if roots is not None and not _inside(_real(storage), roots):
         raise bad(".")
     pending, seen = [(storage, "")], 0
     while pending:
@@ -264,7 +273,7 @@ def _check_repo_folder(storage: str, roots: Sequence[str] | None, hidden: Callab
                 continue  # a broken link (an interrupted download): huggingface_hub reports what is missing
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                 raise bad(rel)
-            if link and roots is not None and not _inside(os.path.realpath(e.path), roots):
+            if link and roots is not None and not _inside(_real(e.path), roots):
                 raise bad(rel)
             if stat.S_ISDIR(st.st_mode) and not link:
                 pending.append((e.path, rel + "/"))
@@ -389,7 +398,8 @@ def _source_of(repo_id: str, revision: str, found: str, storage: str) -> HubSour
     """The snapshot found, checked to be ``<repo>/snapshots/<commit>`` (the commit comes from a file of the cache:
     it must not lead anywhere else)."""
     path = Path(found)
-    if os.path.realpath(path.parent) != os.path.realpath(os.path.join(storage, "snapshots")) or not _COMMIT.fullmatch(
+    parent = _real(str(path.parent))
+    if not parent or parent != _real(os.path.join(storage, "snapshots")) or not _COMMIT.fullmatch(
         path.name
     ):
         raise RevisionNotCachedError(f"revision {revision} of {repo_id} does not name a snapshot of the hub cache")

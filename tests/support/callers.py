@@ -49,3 +49,11 @@ def as_uid(sock: Path, uid: int, requests: list[tuple[str, str, Any]]) -> list[t
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     return [(status, json.loads(body) if body.strip() else None) for status, body in json.loads(r.stdout)]
+
+
+def refused_for(checked: str) -> str:
+    """What a 403 for a source the caller may not read says is missing: ``checked`` (the words of the daemon's
+    mode-bit checks) or, where it reads with the caller's own credentials, the kernel's one answer."""
+    from transformd.daemon import fscreds
+
+    return fscreds.KERNEL_MISSING if fscreds.kernel_available() else checked

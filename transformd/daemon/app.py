@@ -155,6 +155,7 @@ def create_app(
     )
     daemon = Daemon(settings, cache, service, entries, metrics, policy, settings.device, platform or detect_platform())
     daemon.hub = HubResolver(settings.hub_cache_dir(), policy.roots, allow_download=settings.allow_download)
+    log.info("callers' reads: %s", caller_reads())  # (probed once, at start: see .fscreds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
