@@ -211,7 +211,7 @@ MUTANTS: list[Mutant] = [
       "if reader is not None and reader.kernel and e.errno in (errno.EACCES, errno.EPERM):", "if False:",
       ORACLE_TESTS),
     m("caller-check-after-sizing", "transformd/cache/securefs.py",
-      "        reader.check(tree)  # (before anything is sized", "        pass  # (", ORACLE_TESTS),
+      "        reader.check(tree)  # (before anything is taken", "        pass  # (", ORACLE_TESTS),
     m("unopenable-entry-not-asked", "transformd/cache/securefs.py",
       "    missing = reader.hides(path)\n", "    missing = None\n", ORACLE_TESTS),
     m("way-walk-follows-links-unseen", "transformd/daemon/peers.py",
@@ -321,15 +321,17 @@ MUTANTS: list[Mutant] = [
       "                for name in {key}:", ALONGSIDE_TESTS),
     # -- the daemon's first resolve, converting while hashing ----------------------------------------------------------
     m("daemon-alongside-caller-not-checked", "transformd/daemon/app.py",
-      "        missing = denied(caller, pending.access)\n", "        missing = None\n", DAEMON_ALONGSIDE_TESTS),
+      "        missing = reader.denied(pending.access)\n", "        missing = None\n", DAEMON_ALONGSIDE_TESTS,
+      expected_survivor=True, note="a second layer since issue 42: the tree is checked for the caller as it is opened "
+      "(securefs.open_source asks the reader, with the caller's credentials or by mode bits), before this"),
     m("daemon-alongside-waits-for-the-queue", "transformd/daemon/service.py",
       "            if provisional and self.queued_count() >= free_workers:", "            if False:",
       DAEMON_ALONGSIDE_TESTS),
     m("daemon-stopping-not-told", "transformd/daemon/server.py",
       "        if self._on_stopping is not None:\n            self._on_stopping()\n", "", DAEMON_ALONGSIDE_TESTS),
     m("daemon-alongside-never-taken", "transformd/daemon/app.py",
-      "        ident = await service.identify(source, defer=True)\n",
-      "        ident = await service.identify(source)\n",
+      "        ident = await service.identify(source, defer=True, reader=reader)\n",
+      "        ident = await service.identify(source, reader=reader)\n",
       DAEMON_ALONGSIDE_TESTS),
 ]
 
