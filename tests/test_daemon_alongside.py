@@ -24,6 +24,7 @@ from transformd.sample import write_sample_checkpoint
 
 from .support.checkpoints import O, default_shards, overflow, write_checkpoint
 from .support.daemon import DaemonThread, Daemons, metric_value, wait_ready
+from .test_trust_oracles import mode  # noqa: F401 - the fixture: with the caller's credentials and without
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -231,11 +232,12 @@ def test_with_no_worker_free_the_source_is_hashed_first_and_answered_at_once(sta
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+@pytest.mark.usefixtures("mode")
 def test_a_caller_who_cannot_read_the_source_is_refused_before_anything_is_read(daemons: Daemons, monkeypatch):
     """The permission check of the read-once path: from the opened tree, before a job or a hash exists. The
     directories are open to the caller (the walk of the way to the source, before, lets it through): its files
     are not."""
-    from .support.callers import NOBODY, as_uid
+    from .support.callers import NOBODY, as_uid, refused_for
     from .support.daemon import short_tempdir
 
     base = short_tempdir("tdal-")
@@ -256,7 +258,7 @@ def test_a_caller_who_cannot_read_the_source_is_refused_before_anything_is_read(
         os.chmod(daemon.socket_path, 0o666)
         (status, body), = as_uid(daemon.socket_path, NOBODY, [("POST", "/v1/checkpoints", {"source": str(src)})])
         assert status == 403 and body["error"]["code"] == "permission_denied", (status, body)
-        assert "read permission on a file of the source" in body["error"]["message"], body
+        assert refused_for("read permission on a file of the source") in body["error"]["message"], body
         assert not gate.hashed and not daemon.daemon.service.active_jobs(), "nothing read or started for it"
         assert not list((base / "cache" / "staging").iterdir())
     finally:

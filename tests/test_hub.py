@@ -226,8 +226,8 @@ def test_a_record_swapped_for_a_fifo_after_the_checks_does_not_block_the_lookup(
     (repo / "trees" / f"{MAIN}.json").write_text('{"format_version": 1, "files": {}}')
     checks = hub._check_repo_folder
 
-    def racing(storage: str, roots) -> None:
-        checks(storage, roots)
+    def racing(storage: str, roots, hidden=None) -> None:
+        checks(storage, roots, hidden)
         os.unlink(repo / record)  # the swap, right after the checks
         os.mkfifo(repo / record)
 

@@ -36,12 +36,14 @@ This module imports neither torch nor huggingface_hub at import time (the start-
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -232,13 +234,23 @@ def _inside(real: str, roots: Sequence[str]) -> bool:
     return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
-def _check_repo_folder(storage: str, roots: Sequence[str] | None) -> None:
+def _real(path: str) -> str:
+    """``os.path.realpath``, or ``""`` (inside nothing) when a link changed under it: its ``readlink`` raises then,
+    which was a 500 (an attack review's race)."""
+    try:
+        return os.path.realpath(path)
+    except (OSError, RecursionError):
+        return ""
+
+
+def _check_repo_folder(storage: str, roots: Sequence[str] | None, hidden: Callable[[str], bool] | None = None) -> None:
     """Before the repo's folder is looked into: everything in it must be a directory or a regular file, links
     included (a FIFO would block a reader, a device would never end), and, for the daemon, lead nowhere outside the
     roots. A check of kinds and places; :func:`_lookup` reads the records it needs, each through one checked
-    descriptor (sizes included), since one may be swapped after this looked."""
+    descriptor (sizes included), since one may be swapped after this looked. ``hidden``: whether a link leads where
+    the caller the lookup is done for could not look (such a link is passed over as a broken one is, unlooked at)."""
     bad = _bad_record
-    if roots is not None and not _inside(os.path.realpath(storage), roots):
+    if roots is not None and not _inside(_real(storage), roots):
         raise bad(".")
     pending, seen = [(storage, "")], 0
     while pending:
@@ -252,14 +264,16 @@ def _check_repo_folder(storage: str, roots: Sequence[str] | None) -> None:
             rel = prefix + e.name
             if seen > _MAX_REPO_ENTRIES:
                 raise bad(rel)
+            link = e.is_symlink()
+            if link and hidden is not None and hidden(e.path):
+                continue
             try:
                 st = os.stat(e.path)
             except OSError:
                 continue  # a broken link (an interrupted download): huggingface_hub reports what is missing
-            link = e.is_symlink()
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                 raise bad(rel)
-            if link and roots is not None and not _inside(os.path.realpath(e.path), roots):
+            if link and roots is not None and not _inside(_real(e.path), roots):
                 raise bad(rel)
             if stat.S_ISDIR(st.st_mode) and not link:
                 pending.append((e.path, rel + "/"))
@@ -271,7 +285,7 @@ def _read_record(storage: str, rel: str, limit: int, roots: Sequence[str] | None
     a FIFO or a device after :func:`_check_repo_folder` looked is refused, never waited on. Other errors (a folder
     one may not read) are raised as they are."""
     try:
-        fd = os.open(os.path.join(storage, rel), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        fd = _open_beneath(storage, rel)
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
             return None
@@ -292,6 +306,24 @@ def _read_record(storage: str, rel: str, limit: int, roots: Sequence[str] | None
     return data
 
 
+def _open_beneath(storage: str, rel: str) -> int:
+    """``rel`` under ``storage`` opened one component at a time with ``O_NOFOLLOW`` (huggingface_hub writes records
+    as plain files in plain directories: a link there was planted, and is never followed, so what it leads to is
+    never looked at; an attack review read records planted as links into another user's 0700 directory)."""
+    names = [n for n in rel.split(os.sep) if n]
+    if not names or ".." in names:
+        raise FileNotFoundError(errno.ENOENT, "no such record", rel)
+    fd = os.open(storage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in names[:-1]:
+            nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        return os.open(names[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
 def _bad_record(rel: str, what: str = ", which is not a plain file or directory inside the allowed roots") -> HubError:
     err = HubError(f"the hub cache folder of this repo holds {rel!r}{what}; the daemon does not read it (remove it, "
                    "or fetch the repo again)")
@@ -307,7 +339,8 @@ class _NotFound(Exception):
         self.incomplete = incomplete
 
 
-def _lookup(storage: str, revision: str, roots: Sequence[str] | None) -> str:
+def _lookup(storage: str, revision: str, roots: Sequence[str] | None,
+            hidden: Callable[[str], bool] | None = None) -> str:
     """The snapshot of the repo whose hub cache folder is ``storage`` at ``revision``, found by huggingface_hub's
     rules for an offline lookup (``snapshot_download(..., local_files_only=True)``): a branch or tag is the commit
     that ``refs/<revision>`` holds; the snapshot is ``snapshots/<commit>``; it is incomplete when the file list that
@@ -321,12 +354,25 @@ def _lookup(storage: str, revision: str, roots: Sequence[str] | None) -> str:
         ref = _read_record(storage, os.path.join("refs", revision), _MAX_REF_BYTES, roots)
         commit = "" if ref is None else ref.decode("ascii", "replace")
     snapshot = os.path.join(storage, "snapshots", commit)
-    if not _COMMIT.fullmatch(commit) or not os.path.isdir(snapshot):
+    if not _COMMIT.fullmatch(commit) or not _is_dir(snapshot, hidden):
         raise _NotFound
     tree = _read_record(storage, os.path.join("trees", commit + ".json"), _MAX_TREE_BYTES, roots)
     if tree is not None and _lacks_listed_files(tree, snapshot):
         raise _NotFound(incomplete=True)
     return snapshot
+
+
+def _is_dir(path: str, hidden: Callable[[str], bool] | None) -> bool:
+    """Whether ``path`` is a directory; raises :class:`PermissionError` when the way to it is not the caller's to
+    look at (``hidden``, or the kernel's refusal), whether or not something is there."""
+    if hidden is not None and hidden(path):
+        raise PermissionError(errno.EACCES, "permission denied")
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except PermissionError:
+        raise
+    except OSError:
+        return False
 
 
 def _lacks_listed_files(tree: bytes, snapshot: str) -> bool:
@@ -352,7 +398,8 @@ def _source_of(repo_id: str, revision: str, found: str, storage: str) -> HubSour
     """The snapshot found, checked to be ``<repo>/snapshots/<commit>`` (the commit comes from a file of the cache:
     it must not lead anywhere else)."""
     path = Path(found)
-    if os.path.realpath(path.parent) != os.path.realpath(os.path.join(storage, "snapshots")) or not _COMMIT.fullmatch(
+    parent = _real(str(path.parent))
+    if not parent or parent != _real(os.path.join(storage, "snapshots")) or not _COMMIT.fullmatch(
         path.name
     ):
         raise RevisionNotCachedError(f"revision {revision} of {repo_id} does not name a snapshot of the hub cache")
@@ -366,13 +413,15 @@ def resolve_repo(
     cache_dir: str | os.PathLike[str] | None = None,
     roots: Sequence[str] | None = None,
     hint: str = "",
+    hidden: Callable[[str], bool] | None = None,
 ) -> HubSource:
     """The cached snapshot of ``repo_id`` at ``revision`` (default ``main``), offline.
 
     ``cache_dir``: the hub cache (default :func:`default_hub_cache`); ``roots``: real paths the revision's record
     must lie in (the daemon's allowed roots). Raises :class:`InvalidRepoIdError`, :class:`HubError` (revision),
     :class:`RepoNotCachedError` or :class:`RevisionNotCachedError` (each message says how to fetch it, with
-    ``hint`` appended).
+    ``hint`` appended); :class:`PermissionError` when the folder of the repo or its snapshot lies where the caller
+    cannot look (``hidden``: whether a path is such for the caller the daemon looks for; else the kernel said so).
     """
     repo_id = check_repo_id(repo_id)
     revision = check_revision(revision)
@@ -381,11 +430,11 @@ def resolve_repo(
 
     storage = os.path.join(cache, repo_folder_name(repo_id=repo_id, repo_type="model"))
     fetch = f"fetch it with: {_fetch_hint(repo_id, revision, cache)}{hint}"
-    if not os.path.isdir(storage):
+    if not _is_dir(storage, hidden):
         raise RepoNotCachedError(f"{repo_id} is not in the Hugging Face hub cache {cache}; {fetch}")
-    _check_repo_folder(storage, roots)
+    _check_repo_folder(storage, roots, hidden)
     try:
-        found = _lookup(storage, revision, roots)
+        found = _lookup(storage, revision, roots, hidden)
     except _NotFound as e:
         if e.incomplete:
             raise RevisionNotCachedError(
@@ -396,6 +445,8 @@ def resolve_repo(
             f"{repo_id} is in the Hugging Face hub cache {cache}, but not at revision {revision} (a branch or tag "
             f"that a download recorded, or a full 40-digit commit hash); {fetch}"
         ) from None
+    except PermissionError:
+        raise
     except OSError as e:
         raise RepoNotCachedError(f"cannot look up {repo_id} in the hub cache {cache}: {e.strerror or e}") from None
     return _source_of(repo_id, revision, found, storage)
@@ -461,8 +512,11 @@ class HubResolver:
     def allowed(self) -> bool:
         return _inside(os.path.realpath(self.cache_dir), self.roots)
 
-    def resolve(self, source: str, revision: str | None) -> HubSource:
-        """Blocking: the snapshot of repo id ``source``; raises :class:`HubError` (400, 403, 404, 502)."""
+    def resolve(self, source: str, revision: str | None, *, opening: Callable[[], AbstractContextManager[Any]] | None
+                = None, hidden: Callable[[str], bool] | None = None) -> HubSource:
+        """Blocking: the snapshot of repo id ``source``; raises :class:`HubError` (400, 403, 404, 502), or
+        :class:`PermissionError` when what it needs lies where the caller cannot look. ``opening``: held around the
+        lookup's reads (the caller's credentials), not the download; ``hidden``: see :func:`resolve_repo`."""
         if not is_repo_id(source, paths_exist=False):
             if os.path.isabs(source):
                 check_revision(revision)
@@ -482,7 +536,9 @@ class HubResolver:
             )
         hint = "" if self.allow_download else " (this daemon never downloads: it was not started with --allow-download)"
         try:
-            return resolve_repo(source, revision, cache_dir=self.cache_dir, roots=self.roots, hint=hint)
+            with opening() if opening is not None else contextlib.nullcontext():
+                return resolve_repo(source, revision, cache_dir=self.cache_dir, roots=self.roots, hint=hint,
+                                    hidden=hidden)
         except RepoNotCachedError:
             if not self.allow_download:
                 raise

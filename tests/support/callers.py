@@ -102,3 +102,11 @@ def hold_connections(sock: Path, uid: int, n: int) -> subprocess.Popen[str]:
                             text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
+
+
+def refused_for(checked: str) -> str:
+    """What a 403 for a source the caller may not read says is missing: ``checked`` (the words of the daemon's
+    mode-bit checks) or, where it reads with the caller's own credentials, the kernel's one answer."""
+    from transformd.daemon import fscreds
+
+    return fscreds.KERNEL_MISSING if fscreds.kernel_available() else checked

@@ -15,6 +15,14 @@ are rewritten to name the source path (:meth:`SourceTree.relocate`).
 
 Messages never name a path outside the roots, nor say whether it exists: every such case is the
 same :class:`OutsideRootsError`.
+
+The daemon opens a source *for* a caller inside :func:`reading_as`: the opens of :func:`open_source` (and the download
+records of :meth:`SourceTree.read_meta`, in whatever thread) happen within the reader's ``opening()`` (the caller's own
+file-system credentials, where the daemon may take them: :mod:`transformd.daemon.fscreds`), a permission the kernel
+refuses on the way or inside is the reader's one ``refusal``, and the finished tree passes the reader's ``check``
+before anything (a size, a digest) is taken from it. Without such credentials an entry that cannot be opened (a
+broken link, say) is first asked about (``hides``): a name that leads where the caller could not look is that same
+refusal, not a message about what lies there.
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ import os
 import shutil
 import stat as stat_mod
 import tempfile
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import BadRequestError, CacheError, NotAllowedError, NotFoundError, SourceError
 
@@ -75,6 +86,50 @@ class NotRegularError(SourceError):
     """A source entry is neither a regular file nor a directory (FIFO, device, socket)."""
 
 
+class SourceReader(Protocol):
+    """Who a source is opened for (:func:`reading_as`); the daemon's is :class:`transformd.daemon.fscreds.Reader`."""
+
+    kernel: bool  #: the opens run with the caller's own credentials (the kernel checks them)
+
+    def opening(self) -> AbstractContextManager[None]: ...
+
+    def refusal(self, source: str, missing: str | None = None) -> Exception: ...
+
+    def check(self, tree: SourceTree) -> None: ...
+
+    def hides(self, real: str) -> str | None: ...
+
+
+_reading = threading.local()
+
+
+@contextlib.contextmanager
+def reading_as(reader: SourceReader | None) -> Iterator[None]:
+    """Within (this thread): sources are opened for ``reader`` (see the module docstring); None: for nobody but the
+    process itself."""
+    before = getattr(_reading, "reader", None)
+    _reading.reader = reader
+    try:
+        yield
+    finally:
+        _reading.reader = before
+
+
+def current_reader() -> SourceReader | None:
+    return getattr(_reading, "reader", None)
+
+
+def real_path(path: str) -> str | None:
+    """``os.path.realpath``, or None when the path changed under it (a link swapped between its ``lstat`` and its
+    ``readlink`` raised out of it: a 500 of an attack review)."""
+    for _ in range(3):
+        try:
+            return os.path.realpath(path)
+        except (OSError, RecursionError):
+            continue
+    return None
+
+
 def within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
@@ -110,6 +165,8 @@ class SourceTree:
     specials: list[str] = field(default_factory=list)
     #: (relative name, real path, stat) of every directory walked, the top included ("")
     dirs: list[tuple[str, str, os.stat_result]] = field(default_factory=list)
+    #: who it was opened for (:func:`reading_as`): its later opens (download records) are that reader's too
+    reader: SourceReader | None = None
     _views: list[str] = field(default_factory=list)
 
     def close(self) -> None:
@@ -185,8 +242,17 @@ class SourceTree:
     def read_meta(self, rel: str) -> str | None:
         """The download record of ``rel`` under ``.cache/huggingface/download`` (a hint), or None.
 
-        Every component is opened with ``O_NOFOLLOW`` relative to the source's descriptor.
+        Every component is opened with ``O_NOFOLLOW`` relative to the source's descriptor, by the tree's reader
+        (:func:`reading_as`) when it has one.
         """
+        try:
+            opening = self.reader.opening() if self.reader is not None else contextlib.nullcontext()
+            with opening:
+                return self._read_meta(rel)
+        except Exception:  # noqa: BLE001 - a hint only
+            return None
+
+    def _read_meta(self, rel: str) -> str | None:
         parts = [*LOCAL_DIR_META, *rel.split("/")]
         parts[-1] += ".metadata"
         fds: list[int] = []
@@ -238,12 +304,45 @@ def open_source(
     :class:`OutsideRootsError`, :class:`NotRegularError` or :class:`SourceError`.
     """
     shown = os.fspath(src)
+    reader = current_reader()
+    if reader is None:
+        return _open_source(shown, roots, max_entries, None)
+    with reader.opening():
+        tree = _open_source(shown, roots, max_entries, reader)
+    try:
+        reader.check(tree)  # (before anything is taken from it: a size in a 507, a digest)
+    except BaseException:
+        tree.close()
+        raise
+    return tree
+
+
+def _refused(reader: SourceReader | None, e: OSError, src: str) -> Exception | None:
+    """The reader's one refusal for a permission the kernel refused it (or None)."""
+    if reader is not None and reader.kernel and e.errno in (errno.EACCES, errno.EPERM):
+        return reader.refusal(src)
+    return None
+
+
+def _hidden(reader: SourceReader | None, path: str, src: str) -> Exception | None:
+    """The reader's one refusal when ``path`` (an entry that cannot be opened, followed like the kernel does) leads
+    through a directory the reader could not search (or None)."""
+    if reader is None or reader.kernel:
+        return None
+    missing = reader.hides(path)
+    return None if missing is None else reader.refusal(src, missing)
+
+
+def _open_source(shown: str, roots: Sequence[str] | None, max_entries: int,
+                 reader: SourceReader | None) -> SourceTree:
     try:
         top = os.open(shown, DIR_FLAGS)
     except OSError as e:
+        if (refusal := _refused(reader, e, shown)) is not None:
+            raise refusal from None
         if roots is not None:
-            real = os.path.realpath(shown)
-            if not any(within(real, r) for r in roots):
+            real = real_path(shown)
+            if real is None or not any(within(real, r) for r in roots):
                 raise _outside(f"source {shown}", roots) from None
         if e.errno == errno.ENOENT:
             raise SourceNotFoundError(f"source checkpoint directory {shown} does not exist") from None
@@ -252,7 +351,7 @@ def open_source(
         if e.errno in (errno.EACCES, errno.EPERM):
             raise SourcePermissionError(f"the daemon may not read the source directory {shown}") from None
         raise SourceError(f"cannot read source checkpoint directory {shown}: {e.strerror}") from None
-    tree = SourceTree(shown, "", top)
+    tree = SourceTree(shown, "", top, reader=reader)
     try:
         tree.real = _check_fd(top, f"source {shown}", roots)
         tree.dirs.append(("", tree.real, os.fstat(top)))
@@ -273,9 +372,12 @@ def _walk(
     count: list[int],
     max_entries: int,
 ) -> None:
+    reader = tree.reader
     try:
         entries = sorted(((e.name, e.is_symlink()) for e in os.scandir(dfd)), key=lambda t: t[0])
     except OSError as e:
+        if (refusal := _refused(reader, e, tree.src)) is not None:
+            raise refusal from None
         raise SourceError(f"cannot list {os.path.join(tree.src, prefix)}: {e.strerror}") from None
     for name, is_link in entries:
         if name.startswith("."):
@@ -285,19 +387,23 @@ def _walk(
             raise SourceError(f"source {tree.src} holds more than {max_entries} files and directories")
         rel = prefix + name
         shown = os.path.join(tree.src, rel)
+        way = os.path.join(tree.real, rel)
         # A link that leads outside is refused before anything behind it is opened (a device there could act on
-        # an open); the check that counts is the one on the opened descriptor below.
+        # an open); the check that counts is the one on the opened descriptor below. A link through a directory
+        # the reader could not search is the reader's refusal first, whatever lies behind it.
+        if is_link and roots is not None and (refusal := _hidden(reader, way, tree.src)) is not None:
+            raise refusal
         if is_link and roots is not None and not _link_inside(dfd, name, tree, rel, roots):
             raise _outside(shown, roots)
         try:
             pre = os.stat(name, dir_fd=dfd)  # type only: the descriptor's fstat below is what counts
-        except FileNotFoundError:
-            if roots is not None and not _link_inside(dfd, name, tree, rel, roots):
-                raise _outside(shown, roots) from None
-            raise SourceError(f"{shown} in source checkpoint {tree.src} is a broken symlink") from None
         except OSError as e:
+            if (refusal := _refused(reader, e, tree.src) or _hidden(reader, way, tree.src)) is not None:
+                raise refusal from None
             if roots is not None and not _link_inside(dfd, name, tree, rel, roots):
                 raise _outside(shown, roots) from None
+            if isinstance(e, FileNotFoundError):
+                raise SourceError(f"{shown} in source checkpoint {tree.src} is a broken symlink") from None
             raise SourceError(f"cannot stat {shown}: {e.strerror}") from None
         if not (stat_mod.S_ISREG(pre.st_mode) or stat_mod.S_ISDIR(pre.st_mode)):
             if roots is not None and not _link_inside(dfd, name, tree, rel, roots):
@@ -308,6 +414,8 @@ def _walk(
         try:
             fd = os.open(name, flags, dir_fd=dfd)
         except OSError as e:
+            if (refusal := _refused(reader, e, tree.src) or _hidden(reader, way, tree.src)) is not None:
+                raise refusal from None
             if roots is not None and not _link_inside(dfd, name, tree, rel, roots):
                 raise _outside(shown, roots) from None
             if e.errno in (errno.EACCES, errno.EPERM):
@@ -341,8 +449,8 @@ def _walk(
 
 def _link_inside(dfd: int, name: str, tree: SourceTree, rel: str, roots: Sequence[str]) -> bool:
     """Whether a name that cannot be opened resolves (as far as it does) inside the roots."""
-    real = os.path.realpath(os.path.join(tree.real, rel))
-    return any(within(real, r) for r in roots)
+    real = real_path(os.path.join(tree.real, rel))
+    return real is not None and any(within(real, r) for r in roots)
 
 
 def _not_regular(

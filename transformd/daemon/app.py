@@ -34,7 +34,9 @@ from .hub_sources import hub_source, remember_hub, with_hub
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
-from .peers import Caller, denied, path_denied, unreadable
+from ..cache.securefs import reading_as
+from .fscreds import Reader, caller_reads
+from .peers import Caller, path_denied, unreadable
 from .schemas import (
     CacheModel,
     CheckpointInfo,
@@ -154,6 +156,7 @@ def create_app(
     )
     daemon = Daemon(settings, cache, service, entries, metrics, policy, settings.device, platform or detect_platform())
     daemon.hub = HubResolver(settings.hub_cache_dir(), policy.roots, allow_download=settings.allow_download)
+    log.info("callers' reads: %s", caller_reads())  # (probed once, at start: see .fscreds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -214,15 +217,16 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, caller: Caller,
+def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, reader: Reader,
                     layout: str = "as-is") -> dict[str, Any]:
     """Blocking: readiness of the output a conversion of ``source`` would write (headers only, read through checked
-    descriptors); 403 unless ``caller`` could read the files opened now (the path may name others by then)."""
+    descriptors); 403 unless the caller could read the files opened now (the path may name others by then)."""
     from ..checkpoint import plan_conversion, plan_readiness
 
+    caller = reader.caller
     try:
-        with d.cache.open_source(source) as tree:
-            missing = denied(caller, tree.facts())
+        with reading_as(reader), d.cache.open_source(source) as tree:
+            missing = reader.denied(tree.facts())
             plan = None if missing is not None else plan_conversion(tree.view(), select=select, layout=layout)
     except ApiError:
         raise
@@ -233,25 +237,26 @@ def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, cal
     return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
 
 
-def _source_layout(d: Daemon, source: str, engine: str | None) -> Layout:
-    """Blocking: :func:`transformd.checkpoint.plan.source_layout` of ``source``, read through checked descriptors (as-is
-    when it cannot be opened: the request's own checks say why)."""
+def _source_layout(d: Daemon, source: str, engine: str | None, reader: Reader) -> Layout:
+    """Blocking: :func:`transformd.checkpoint.plan.source_layout` of ``source``, read through checked descriptors with
+    the caller's reads (as-is when it cannot be opened: the request's own checks say why)."""
     from ..checkpoint.plan import source_layout
 
     try:
-        with d.cache.open_source(source) as tree:
+        with reading_as(reader), d.cache.open_source(source) as tree:
             return source_layout(tree.view(), engine)
     except Exception:
         return Layout.AS_IS
 
 
-def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
-    """Blocking: the real path of ``source`` when it lies under the allowed roots and ``caller`` could read every
+def _readable_source(d: Daemon, source: str, reader: Reader) -> str:
+    """Blocking: the real path of ``source`` when it lies under the allowed roots and the caller could read every
     file of it (as for a conversion; nothing is hashed)."""
+    caller = reader.caller
     try:
         d.policy.check_allowed(source)
-        with d.cache.open_source(source) as tree:  # the checks of SourcePolicy.resolve, and the caller's rights
-            missing = denied(caller, tree.facts())
+        with reading_as(reader), d.cache.open_source(source) as tree:  # SourcePolicy.resolve's checks, the caller's
+            missing = reader.denied(tree.facts())
             real = tree.real
     except ApiError:
         raise
@@ -311,31 +316,32 @@ def _routes(app: FastAPI, d: Daemon) -> None:
     async def post_checkpoint(body: CheckpointRequest, request: Request) -> Response:
         caller = d.caller(request)
         await d.check_select(body.select)  # (422 for a pattern RE2 refuses, before anything else)
+        reader = d.reader(caller)  # every open of the source for this request: the caller's own (fscreds)
         slot = d.source_slot(caller)  # held for the work on the source: a caller takes a few source threads at most
         target, reason = choose_target(body.target, body.engine, d.platform)
         async with slot:
-            hub = await hub_source(d, body.source, body.revision, caller)  # {} for a path; else its snapshot
+            hub = await hub_source(d, body.source, body.revision, reader)  # {} for a path; else its snapshot
         source = d.policy.check_syntax(hub["hub"]["snapshot"] if hub else body.source)
-        if (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:
+        if not reader.kernel and (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:
             raise unreadable(caller, source, missing)  # (before anything of it is looked at: no 404, 422 or 507 said)
         if target is None:  # native MX: the engine loads the source itself
             async with slot:
-                real = await _thread(_readable_source, d, source, caller)
+                real = await _thread(_readable_source, d, source, reader)
             return _json({**passthrough_view(real, reason), **hub})
         layout = layout_for(body.engine)
         if layout is not Layout.AS_IS:  # (per-expert only for a source with a fused stack: else the same entry)
             async with slot:
-                layout = await _thread(_source_layout, d, source, body.engine)
+                layout = await _thread(_source_layout, d, source, body.engine, reader)
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select, layout=layout)
         async with slot:
-            ident = await service.identify(source, defer=True)
+            ident = await service.identify(source, defer=True, reader=reader)
         if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
-            answer = await _resolve_while_hashing(ident, source, recipe, caller, body, hub, reason)
+            answer = await _resolve_while_hashing(ident, source, recipe, reader, body, hub, reason)
             if answer is not None:
                 return answer
             async with slot:
-                ident = await service.identify(source)  # no worker free now: hash first, answer without the queue
-        missing = denied(caller, ident.access) if ident.access is not None else None
+                ident = await service.identify(source, reader=reader)  # no worker free now: hash first
+        missing = reader.denied(ident.access) if ident.access is not None else None
         if missing is not None:
             raise unreadable(caller, source, missing)
         key = cache_key(ident, recipe)
@@ -352,25 +358,27 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 d.grant(key, caller)
                 return await _ready(info, job, reason, body.engine, hub)
         metrics.cache_misses.inc()
-        async with _admitted(caller, key, source, body, recipe):
+        async with _admitted(reader, key, source, body, recipe):
             d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
-            job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
+            job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident, reader=reader)
         assert job is not None
         return await _answer(key, job, reason, body.engine, hub)
 
     async def _resolve_while_hashing(
-        pending: PendingIdentity, source: str, recipe: Recipe, caller: Caller, body: CheckpointRequest,
+        pending: PendingIdentity, source: str, recipe: Recipe, reader: Reader, body: CheckpointRequest,
         hub: dict[str, Any], reason: str | None,
     ) -> Response | None:
         """POST's answer for a source converted while it is hashed (read once): a job under the source's
         provisional name, answered once the hashing has the key, as ``queued``/``converting`` (202), or ``ready``
         when that key was cached already. None when no worker is free for it at once."""
-        missing = denied(caller, pending.access)
+        caller = reader.caller
+        missing = reader.denied(pending.access)
         if missing is not None:
             raise unreadable(caller, source, missing)
         slot = pending.slot(recipe)
-        async with _admitted(caller, slot, source, body, recipe):
-            job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True)
+        async with _admitted(reader, slot, source, body, recipe):
+            job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True,
+                                           reader=reader)
         if job is None:
             return None
         key = await service.keyed(job)
@@ -383,11 +391,12 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         return await _answer(key, job, reason, body.engine, hub)
 
     @contextlib.asynccontextmanager
-    async def _admitted(caller: Caller, key: str, source: str, body: CheckpointRequest,
+    async def _admitted(reader: Reader, key: str, source: str, body: CheckpointRequest,
                         recipe: Recipe) -> AsyncIterator[None]:
         """Around the start of a job for ``key`` (unless the request joins the active one): a place in the caller's
         limit of queued conversions, taken before anything is awaited and held until the job exists (429 past
         it), then the engine's check of the converted checkpoint (from the headers, in a source slot; 422)."""
+        caller = reader.caller
         job = service.job(key)
         joins = job is not None and job.active
         place = contextlib.nullcontext() if joins else service.reserve(  # (admins' and root's too)
@@ -395,7 +404,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         with place:
             if body.engine != "raw" and not joins:  # (no engine named: refused if one would load it wrong, no error)
                 async with d.source_slot(caller):  # (it reads the source's headers)
-                    report = await _thread(_plan_readiness, d, source, body.select, recipe.target, caller,
+                    report = await _thread(_plan_readiness, d, source, body.select, recipe.target, reader,
                                            recipe.layout)
                 _check_engine(report, body.engine)
             yield
@@ -633,6 +642,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             "cache_root": str(cache.root),
             "device": d.device,
             "platform": d.platform.as_dict(),
+            "caller_reads": caller_reads(),
             "problems": problems,
         }
         return _json(body, 503 if problems else 200)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache.securefs import MAX_SOURCE_FILES, AccessFacts, Fact
+from ..cache.securefs import MAX_SOURCE_FILES, AccessFacts, Fact, real_path
 from .errors import ApiError
 
 #: ASGI scope key of the :class:`Caller` of a request.
@@ -121,47 +121,95 @@ def path_denied(caller: Caller, path: str, allowed: Callable[[str], bool] | None
                 listed: bool = True) -> str | None:
     """Before anything of ``path`` is looked at for ``caller``: the right it lacks to reach it itself, or None.
 
-    Every directory above it must let the caller search it, along the path as written and as resolved (a symbolic
-    link leads through other directories), and the source itself, a directory, must let it read and search it
-    (``listed``; else search it). With ``allowed`` (the policy's test of a real path), so must every directory in
-    the source that lies inside the allowed roots (names starting with ``.`` aside, as the conversion leaves them).
-    A missing component ends the walk: the caller could see that itself. Before this, what the daemon found with its
-    own rights answered a caller who could not look: 404, "is not a directory", "contains no files", the name of a
-    link out of the roots, and the size of another user's private checkpoint in a 507 (two attack reviews)."""
+    Every directory the kernel searches to resolve it must let the caller search it (:func:`way_facts`: each
+    component opened on the descriptor of the one before, a symbolic link followed where the kernel would follow it,
+    so the way as written and the way it leads are one walk and nothing is checked by name and then reopened), and
+    the source itself, a directory, must let it read and search it (``listed``; else search it). With ``allowed``
+    (the policy's test of a real path), so must every directory in the source that lies inside the allowed roots
+    (names starting with ``.`` aside, as the conversion leaves them). A missing component ends the walk: the caller
+    could see that itself. Before this, what the daemon found with its own rights answered a caller who could not
+    look: 404, "is not a directory", "contains no files", the name of a link out of the roots, and the size of another
+    user's private checkpoint in a 507 (two attack reviews); then a directory swapped for a link between the check by
+    name and the next look (an attack review: a size in a 507, names in a 403, a 500 from ``realpath``)."""
     if caller.uid == 0:
         return None
-    for walked in dict.fromkeys((path, os.path.realpath(path))):
-        missing = _way_denied(caller, walked, listed)
-        if missing is not None:
-            return missing
-    return None if allowed is None else _inside_denied(caller, os.path.realpath(path), allowed)
+    missing = _way_denied(caller, path, listed)
+    if missing is not None or allowed is None:
+        return missing
+    return _inside_denied(caller, path, allowed)
+
+
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Most symbolic links followed in one walk (the kernel's own limit).
+MAX_LINKS = 40
+
+
+def way_facts(path: str) -> tuple[list[Fact], bool]:
+    """The directories the kernel searches to resolve absolute ``path`` (each fact from ``fstat`` of the descriptor
+    the walk opened, relative to the one before, with ``O_PATH | O_NOFOLLOW``; a link read from its own descriptor
+    and followed), and whether the whole path resolved to a directory (its fact is the last). Stops at a missing
+    component, a file before the end, or more than :data:`MAX_LINKS` links."""
+    facts: list[Fact] = []
+    todo = [name for name in reversed(path.split(os.sep)) if name]
+    fd = os.open(os.sep, _PATH_FLAGS | os.O_DIRECTORY)
+    current, links = os.sep, 0
+    try:
+        st = os.fstat(fd)
+        facts.append((current, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
+        while todo:
+            name = todo.pop()
+            if name == ".":
+                continue
+            try:
+                nfd = os.open(name, _PATH_FLAGS, dir_fd=fd)
+            except OSError:
+                return facts, False  # missing (or not even the daemon may look): the request's own checks say so
+            try:
+                st = os.fstat(nfd)
+                if stat.S_ISLNK(st.st_mode):
+                    links += 1
+                    target = os.readlink("", dir_fd=nfd) if links <= MAX_LINKS else ""
+                    if not target:
+                        return facts, False
+                    todo.extend(n for n in reversed(target.split(os.sep)) if n)
+                    if target.startswith(os.sep):
+                        os.close(fd)
+                        fd, current = os.open(os.sep, _PATH_FLAGS | os.O_DIRECTORY), os.sep
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    return facts, False
+                current = os.path.dirname(current) if name == ".." else os.path.join(current, name)
+                facts.append((current, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
+                fd, nfd = nfd, fd
+            finally:
+                os.close(nfd)
+        return facts, True
+    except OSError:
+        return facts, False
+    finally:
+        os.close(fd)
 
 
 def _way_denied(caller: Caller, walked: str, listed: bool = True) -> str | None:
-    """:func:`denied` for the directories along ``walked`` (as far as they exist): each above it searched, itself
-    read and searched when ``listed`` (else searched)."""
-    names = [name for name in walked.split(os.sep) if name]
-    facts: list[Fact] = []
-    current = os.sep
-    for depth in range(len(names) + 1):
-        try:
-            st = os.stat(current)
-        except OSError:
-            break  # missing (or not even the daemon may look): the request's own checks say so
-        if not stat.S_ISDIR(st.st_mode):
-            break
-        facts.append((current, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
-        if depth < len(names):
-            current = os.path.join(current, names[depth])
-    if listed and len(facts) == len(names) + 1:  # (it exists: it is listed, the rest passed)
+    """:func:`denied` for the directories the kernel searches to resolve ``walked`` (as far as they exist): each
+    searched, the last read and searched when ``listed`` and the whole path is a directory."""
+    facts, whole = way_facts(walked)
+    if listed and whole:  # (it exists: it is listed, the rest passed)
         return denied(caller, AccessFacts((), (facts[-1],), tuple(facts[:-1])))
     return denied(caller, AccessFacts((), (), tuple(facts)))
 
 
+def hides(caller: Caller, path: str) -> str | None:
+    """The right ``caller`` lacks to search the way to ``path`` (followed like the kernel does), or None."""
+    return None if caller.uid == 0 else _way_denied(caller, path, listed=False)
+
+
 def _inside_denied(caller: Caller, top: str, allowed: Callable[[str], bool]) -> str | None:
-    """A directory of the source at ``top`` that the caller may not read and search; only directories inside the
-    allowed roots are listed (one out of them is the conversion's own refusal, naming what the caller can see)."""
-    if not allowed(top):
+    """A directory of the source at ``top`` that the caller may not read and search, each walked from ``/`` as
+    :func:`_way_denied` does (a link in it: the way to where it leads too); only sources inside the allowed roots are
+    listed (one out of them is the conversion's own refusal, naming what the caller can see)."""
+    real = real_path(top)
+    if real is None or not allowed(real):
         return None
     stack, seen, budget = [top], set(), MAX_SOURCE_FILES
     while stack:
@@ -178,16 +226,14 @@ def _inside_denied(caller: Caller, top: str, allowed: Callable[[str], bool]) -> 
                 st = os.stat(path)
             except OSError:
                 continue
-            if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) in seen:
-                continue
+            real = real_path(path)
+            if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) in seen or real is None or not allowed(real):
+                continue  # (a file or a missing name: the conversion's open decides)
             seen.add((st.st_dev, st.st_ino))
-            real = os.path.realpath(path)
-            if not allowed(real):
-                continue
-            missing = _way_denied(caller, real)  # (for a link, the way to where it leads too)
+            missing = _way_denied(caller, path)
             if missing is not None:
                 return missing
-            stack.append(real)
+            stack.append(path)
     return None
 
 

@@ -203,4 +203,6 @@ class HealthModel(BaseModel):
     cache_root: str
     device: str
     platform: dict | None = Field(None, description="the GPU target auto decides for: vendor, arch, fnuz, mx_native")
+    caller_reads: str | None = Field(None, description="how a caller's right to read a source is enforced: 'kernel: "
+                                     "...' (its own file-system credentials) or 'checks: ...' (mode bits compared)")
     problems: list[str] = Field(default_factory=list)

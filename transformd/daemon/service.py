@@ -31,6 +31,7 @@ import anyio.to_thread
 
 from ..cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
 from ..cache.keys import check_as_requested
+from ..cache.securefs import SourceReader, reading_as
 from ..progress import COUNTERS, Eta, Progress, human_bytes
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
@@ -77,6 +78,8 @@ class Job:
         self.uid: int | None = None
         #: the source's identity when the request came (keys the conversion without reading the source again)
         self.identity: SourceIdentity | None = None
+        #: who the request that created the job opened the source for: the job's opens of it are that reader's
+        self.reader: SourceReader | None = None
         self.priority = ShardPriority()
         self.outline: ConversionOutline | None = None
         self.state = "queued"
@@ -288,24 +291,29 @@ class ConversionService:
 
     # ------------------------------------------------------------------ identify (coalesced, in a thread)
 
-    async def identify(self, source: str, *, defer: bool = False) -> SourceIdentity | PendingIdentity:
+    async def identify(self, source: str, *, defer: bool = False,
+                       reader: SourceReader | None = None) -> SourceIdentity | PendingIdentity:
         """Check ``source`` against the allowed roots and compute its content identity.
 
         ``defer``: a source that its conversion would hash as it reads it (large and unknown to the stat cache,
         :meth:`~transformd.cache.Cache.hashes_alongside`) is not hashed here: a :class:`PendingIdentity` comes
         back, for :meth:`ensure_job` with ``provisional=True``.
 
-        Concurrent calls for the same source share one thread. Raises :class:`ApiError`.
+        ``reader``: who the source is opened for (:func:`~transformd.cache.securefs.reading_as`).
+
+        Concurrent calls for the same source by readers who see the same files share one thread. Raises
+        :class:`ApiError`.
         """
-        fut = self._identifying.get((source, defer))
+        ident = (source, defer, getattr(reader, "ident", None))
+        fut = self._identifying.get(ident)
         if fut is None:
             fut = asyncio.ensure_future(
-                anyio.to_thread.run_sync(self._identify_blocking, source, defer, limiter=self.source_limiter())
+                anyio.to_thread.run_sync(self._identify_blocking, source, defer, reader, limiter=self.source_limiter())
             )
-            self._identifying[source, defer] = fut
+            self._identifying[ident] = fut
 
             def forget(f: asyncio.Future[SourceIdentity | PendingIdentity]) -> None:
-                self._identifying.pop((source, defer), None)
+                self._identifying.pop(ident, None)
                 if not f.cancelled():
                     f.exception()  # retrieved here, so a caller that went away leaves no warning
 
@@ -317,14 +325,16 @@ class ConversionService:
         except Exception as exc:
             raise error_for_exception(exc) from exc
 
-    def _identify_blocking(self, source: str, defer: bool) -> SourceIdentity | PendingIdentity:
+    def _identify_blocking(self, source: str, defer: bool,
+                           reader: SourceReader | None = None) -> SourceIdentity | PendingIdentity:
         self.policy.check_allowed(source)
-        return self.cache.identity_unless_alongside(source) if defer else self.cache.identity(source)
+        with reading_as(reader):
+            return self.cache.identity_unless_alongside(source) if defer else self.cache.identity(source)
 
     def _plan_blocking(self, job: Job) -> ConversionOutline | None:
         """The converter's check of the job's source, reading only the checked descriptors (a view) of the tree the
         request checked (:func:`.keys.check_as_requested`: its errors name no other files)."""
-        with self.cache.open_source(job.source) as tree:
+        with reading_as(job.reader), self.cache.open_source(job.source) as tree:
             check_as_requested(tree, job.recipe, job.source, slot=job.slot, identity=job.identity)
             view = tree.view()
             try:
@@ -362,12 +372,14 @@ class ConversionService:
                 self._reserved.pop(uid, None)
 
     async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None,
-                         identity: SourceIdentity | None = None, provisional: bool = False) -> Job | None:
+                         identity: SourceIdentity | None = None, provisional: bool = False,
+                         reader: SourceReader | None = None) -> Job | None:
         """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
 
         ``identity``: the request's identity of the source (:meth:`identify`), so the conversion does not read
-        the source again to key it. ``provisional``: ``key`` is a :class:`PendingIdentity`'s slot; the job
-        converts the source while hashing it (:meth:`keyed` waits for the key). It is started only when a worker
+        the source again to key it; ``reader``: the request's reader, for whom the job opens the source.
+        ``provisional``: ``key`` is a :class:`PendingIdentity`'s slot; the job converts the source while hashing it
+        (:meth:`keyed` waits for the key). It is started only when a worker
         is free for it at once (else None: the caller hashes first, so that its answer does not wait for the
         queue).
 
@@ -397,6 +409,7 @@ class ConversionService:
             job = Job(key, source, recipe)
             job.uid = uid
             job.identity = identity
+            job.reader = reader
             if provisional:
                 self._provisional(job)
             self._jobs[key] = job
@@ -486,17 +499,18 @@ class ConversionService:
         t0 = time.monotonic()
         outcome = "failed"
         try:
-            entry = self.cache.get_or_convert(
-                job.source,
-                job.recipe,
-                progress=job.on_status,
-                converter=bind_shard_order(self.converter, job.priority, job.outline.plan if job.outline else None),
-                identity=job.identity,
-                expect_key=None if job.slot is not None else job.key,
-                expect_slot=job.slot,  # (the provisional key of the tree the request checked)
-                expect_files=job.identity if job.slot is None else None,  # (the files it identified)
-                poll_interval=POLL_INTERVAL_S,
-            )
+            with reading_as(job.reader):  # (its opens of the source: the requester's)
+                entry = self.cache.get_or_convert(
+                    job.source,
+                    job.recipe,
+                    progress=job.on_status,
+                    converter=bind_shard_order(self.converter, job.priority, job.outline.plan if job.outline else None),
+                    identity=job.identity,
+                    expect_key=None if job.slot is not None else job.key,
+                    expect_slot=job.slot,  # (the provisional key of the tree the request checked)
+                    expect_files=job.identity if job.slot is None else None,  # (the files it identified)
+                    poll_interval=POLL_INTERVAL_S,
+                )
             outcome = {"converted": "converted", "waited": "waited"}.get(entry.outcome, "hit")
             if outcome == "converted":
                 self.metrics.conversion_seconds.observe(time.monotonic() - t0)

@@ -23,8 +23,10 @@ from ..selectre import SelectError, compile_select
 from .errors import error_for_exception
 from .files import EntryIndex
 from .metrics import Metrics
+from ..cache.securefs import reading_as
+from .fscreds import Reader
 from .paths import SourcePolicy
-from .peers import SCOPE_KEY, Caller, denied
+from .peers import SCOPE_KEY, Caller
 from .service import ConversionService
 from .settings import Settings
 
@@ -87,6 +89,10 @@ class Daemon:
             return self.settings.tcp_caller()
         return Caller(-1, frozenset(), None, "unix (credentials unknown)")
 
+    def reader(self, caller: Caller) -> Reader:
+        """What the opens of a source done for ``caller`` are checked by (:mod:`.fscreds`)."""
+        return Reader(caller)
+
     def health_limiter(self) -> anyio.CapacityLimiter:
         """Threads of /healthz only: its answer never waits behind other work."""
         if self._health_limiter is None:
@@ -132,9 +138,10 @@ class Daemon:
             source = info.source if info is not None else None
         if not source:
             return False
+        reader = self.reader(caller)
         try:
-            with self.cache.open_source(source) as tree:
-                ok = denied(caller, tree.facts()) is None
+            with reading_as(reader), self.cache.open_source(source) as tree:
+                ok = reader.denied(tree.facts()) is None
         except Exception:  # noqa: BLE001 - a source that cannot be opened proves nothing: refuse
             return False
         if ok:
@@ -157,9 +164,7 @@ class Daemon:
         """Held (``async with``) while a caller's lease request counts the caller's live leases and takes one: one
         request of a uid at a time, so its cap holds under any concurrency (the count and the lease were two awaits
         apart: an attack review's 100 concurrent requests left 99-100 live leases under a cap of 64); an admin's
-        are not counted. Other uids never wait for it."""
-        if self.is_admin(caller):
-            return contextlib.nullcontext()
+        and root's too. Other uids never wait for it."""
         turn = self._lease_turns.get(caller.uid)
         if turn is None:
             turn = self._lease_turns[caller.uid] = anyio.Lock()
