@@ -209,7 +209,9 @@ def test_a_source_swapped_after_its_check_is_not_converted_for_the_caller(daemon
     signatures), and the readiness check reads only what the caller could read. A source keyed when it was asked
     for (small, or known to the stat cache) waits in the queue as a job of that key: its worker reopened the path
     and hashed the private files, and the 409 named their key, so a caller could confirm a guess of another's
-    content (a review of the first fix); now the worker converts only the files the request identified."""
+    content (a review of the first fix); now the worker converts only the files the request identified. Where the
+    daemon reads with the caller's own credentials (issue 42), every reopen is the caller's: the link into the 0700
+    directory is the kernel's one 403 before anything behind it is opened."""
     from transformd.daemon import app as app_module, service as service_module
 
     base = short_tempdir("tdsw-")
