@@ -294,8 +294,8 @@ MUTANTS: list[Mutant] = [
       "ignore_errors=True)\n", "                head.cancel()  # (it writes into the staging directory)\n",
       ["tests/test_checkpoint.py"]),
     # -- issue 42, second round: entry names, admins, leases, damage after a serve --------------------------------------
-    m("entry-named-by-its-key", "transformd/cache/names.py", 'return f"{key}-{self._tag(key, create)}"',
-      "return key", ["tests/test_trust_names.py", "-k", "computes"]),
+    m("entry-named-by-its-key", "transformd/cache/names.py", 'name = f"{key}-{self._tag(key, create)}"',
+      "name = key", ["tests/test_trust_names.py", "-k", "computes"]),
     m("old-entry-names-left", "transformd/cache/store.py", "            self._migrate_entry_names()\n", "",
       ["tests/test_trust_names.py", "-k", "earlier_layout"]),
     m("root-admin-by-default", "transformd/daemon/settings.py", "else frozenset({os.geteuid()})",

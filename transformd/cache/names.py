@@ -49,6 +49,7 @@ class EntryNames:
     def __init__(self, root: Path):
         self.path = root / SECRET_NAME
         self._secret: bytes | None = None
+        self._names: dict[str, str] = {}  # key -> name, remembered (a hit names its entry on every request)
 
     def ensure(self) -> None:
         """The cache's owner: the secret on disk (the one in use if this process has one: a cache directory
@@ -58,11 +59,18 @@ class EntryNames:
         with contextlib.suppress(OSError):  # (a read-only disk: naming an entry then says the secret is missing)
             _create_secret(self.path, self._secret)
             self._secret = None
+            self._names.clear()
 
     def name(self, key: str, *, create: bool = False) -> str:
         """``<key>-<tag>``. ``create``: make the secret if the cache has none yet (its owner only). Raises
         :class:`CacheError` when the secret cannot be read (another user's cache: its daemon hands out paths)."""
-        return f"{key}-{self._tag(key, create)}"
+        name = self._names.get(key)
+        if name is None:
+            name = f"{key}-{self._tag(key, create)}"
+            if len(self._names) >= 4096:
+                self._names.clear()
+            self._names[key] = name
+        return name
 
     def key_of(self, name: str) -> str | None:
         """The key a directory name is the entry name of, or None (not one: another secret's, an old layout's, a
