@@ -9,7 +9,8 @@ A real daemon *process* (a frozen one can be killed), attacked by an unprivilege
   froze) and never a 500 (``(?<=a*)b``: Python's compile error was not caught);
 * a burst of patterns that RE2 compiles slowest (a Unicode class repeated 1000 times, ~30 ms each with the GIL
   held): compiled one at a time, so /healthz waits for one compile, not for the burst;
-* a deeply nested JSON body and a body of 60,000 keys: a 400 at once.
+* a deeply nested JSON body and a body of 6,000 keys: a 400 at once; headers of 1 MiB: refused at 16 KiB (the
+  daemon always speaks h11, which bounds them, also where httptools is installed).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def world() -> Iterator[dict[str, Any]]:
     for p in [base / "models", *(base / "models").rglob("*")]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
     (base / "run").mkdir()
-    daemon = DaemonProcess(base / "run" / "td.sock", base / "cache", [base / "models"]).start()
+    daemon = DaemonProcess(base / "run" / "td.sock", base / "cache", [base / "models"]).start(timeout=180)
     try:
         os.chmod(daemon.socket_path.parent, 0o755)
         os.chmod(daemon.socket_path, 0o666)  # let the unprivileged process connect (the test's choice)
@@ -145,3 +146,25 @@ def test_deep_and_wide_json_bodies_hold_nobody(world: dict[str, Any], fault_log)
     assert watch.slowest < HEALTH_BOUND_S, watch.slowest
     fault_log.record(CATEGORY, "JSON bodies 60,000 deep, 6,000 keys wide", len(codes),
                      f"400 at once; /healthz at most {watch.slowest:.2f} s")
+
+
+def test_a_megabyte_of_headers_is_refused_at_once(world: dict[str, Any], fault_log) -> None:
+    import socket
+
+    from transformd.daemon.server import _http_protocol
+    from transformd.daemon.settings import Settings
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    assert issubclass(_http_protocol(Settings()), H11Protocol)  # (whatever else is installed)
+    with HealthWatch(world["sock"]) as watch, socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(world["sock"]))
+        head = b"GET /healthz HTTP/1.1\r\nHost: td\r\nX-Pad: "
+        try:
+            s.sendall(head + b"a" * (1 << 20) + b"\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # (refused before it was all sent)
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert watch.slowest < HEALTH_BOUND_S, watch.slowest
+    fault_log.record(CATEGORY, "1 MiB of request headers", 1, "400 at 16 KiB (h11), /healthz answering")

@@ -166,12 +166,14 @@ def open_listeners(settings: Settings) -> Listeners:
 
 
 def _http_protocol(settings: Settings) -> type:
-    """uvicorn's HTTP protocol (httptools when installed, as uvicorn's "auto") with the unix peer's credentials,
-    connection limits per listener kind and a deadline for request headers (see :func:`.peers.peer_protocol`)."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    """uvicorn's h11 HTTP protocol with the unix peer's credentials, connection limits per listener kind and
+    deadlines for request headers and answers (see :func:`.peers.peer_protocol`). Always h11, also where httptools
+    is installed (uvicorn's "auto" would take it, as an engine's environment often has it): h11 refuses a request
+    whose headers pass 16 KiB (uvicorn's ``h11_max_incomplete_event_size``), httptools is given no such bound, so a
+    caller could have the event loop parse headers for as long as its header deadline lasts. (Every measurement
+    of the daemon was made with h11.)"""
+    from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
     limits = {"unix": settings.max_unix_connections, "tcp": settings.max_tcp_connections}
     return peer_protocol(base, max_connections=limits, header_timeout_s=settings.header_timeout_s,
                          max_per_uid=settings.max_unix_connections_per_uid,
