@@ -237,3 +237,30 @@ def test_daemon_refuses_without_an_engine_and_splits_for_sglang(tmp_path: Path, 
         assert "TRANSFORMD_ENGINE='nope' is not an engine" in capsys.readouterr().err
     finally:
         daemon.stop()
+
+
+def test_the_head_start_worker_writes_the_per_expert_layout(tmp_path: Path) -> None:
+    """The worker process (``convert --out``'s head start) writes the same split shards as the pipeline."""
+    import filecmp
+    import time
+
+    from transformd.checkpoint import write_checkpoint
+    from transformd.checkpoint.headstart import HeadStart
+    from transformd.formats import ScaleMode, Target
+
+    src = write_sample_checkpoint(tmp_path / "src", layers=3, experts=2, shards=4, fused_experts=True)
+    convert_checkpoint(src, tmp_path / "pipeline", target="ocp", device="cpu", head_start=False, engine="sglang")
+    plan = plan_conversion(src, layout="per-expert")
+    out = tmp_path / "worker"
+    out.mkdir()
+    head = HeadStart(plan, out, Target.OCP, ScaleMode.EXACT, threads=2)
+    deadline = time.monotonic() + 120
+    while len(head.finished) < len(plan.shards) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    result = write_checkpoint(plan, out, target="ocp", devices=None, head_start=head)
+    assert sorted(result.head_start_shards) == sorted(s.name for s in plan.shards)
+    names = sorted(p.name for p in (tmp_path / "pipeline").iterdir())
+    assert names == sorted(p.name for p in out.iterdir())
+    for name in names:
+        assert filecmp.cmp(tmp_path / "pipeline" / name, out / name, shallow=False), name
+    assert f"{P}.1.up_proj.weight_scale_inv" in _tensors(out)

@@ -181,10 +181,10 @@ def _convert_dir(src: Path, out: Path, target: str, scale_mode: str) -> Path:
     weight_map = {}
     for fname in files:
         tensors = load_file(str(src / fname))
-        for name in [n for n in tensors if n.endswith((".weight_scale", ".weight_scale_inv"))]:
+        for name in [n for n in tensors if n.endswith(("_scale", "_scale_inv"))]:  # (X.weight_scale, fused X_scale)
             if tensors[name].dtype != torch.uint8:
                 continue
-            weight = name[: name.rindex(".")] + ".weight"
+            weight = name.removesuffix("_inv").removesuffix("_scale")
             q, s = convert_reference(tensors[weight], tensors.pop(name), target, scale_mode)
             tensors[weight] = q.view(Target(target).torch_dtype)
             tensors[weight + "_scale_inv"] = s

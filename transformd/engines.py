@@ -45,7 +45,7 @@ ENGINE_ENV = "TRANSFORMD_ENGINE"
 #: Per engine, the releases its rules were read from, and those the opt-in engine check (tests/engines/) ran them
 #: against with the engine's own code (results in tests/engines/RESULTS.md).
 RULES_FROM = {
-    "vllm": "vLLM 0.33.0 (read); engine check: 0.33.0, 0.34.0",
+    "vllm": "vLLM 0.33.0 (read); engine check: 0.33.0, 0.34.0",  # 0.34.0: tests/engines/RESULTS.md
     "sglang": "SGLang 0.5.23 (read); engine check: 0.5.23",
     "transformers": "transformers 5 FineGrainedFP8 (read)",
 }

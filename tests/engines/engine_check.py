@@ -495,6 +495,15 @@ class VllmCheck:
         import vllm
 
         self.version = vllm.__version__
+        try:  # vLLM 0.34: an x86 CPU platform without an active Triton back-end (triton-cpu) refuses any config
+            import vllm.triton_utils as triton_utils
+
+            if not triton_utils.HAS_TRITON:
+                stub("vLLM's x86 CPU platform check for triton-cpu (vllm.triton_utils.HAS_TRITON, 0.34: its CPU model "
+                     "runner's kernels; no kernel runs here)")
+                triton_utils.HAS_TRITON = True
+        except ImportError:
+            pass
         self.quant_config = None
         self.vllm_config = None
         self.model_cls = None
@@ -1475,7 +1484,7 @@ def compare_readiness(engine: str, out_dir: str, tps: list[int], report: Report)
         report.add("readiness", f"TP {tp}", "transformd readiness", verdict, "does not load (as the engine)",
                    verdict == "does not load", said)
         for row in stopped:  # every module the engine stops at this TP size must have a reason of its own
-            parent = re.sub(r"\.\d+(?=\.|$)", ".*", row.name).rsplit(".", 1)[0]
+            parent = re.sub(r"\.(\d+|N)(?=\.|$)", ".*", row.name).rsplit(".", 1)[0]
             named = any(parent + "." in p or parent + ":" in p for p in reasons) or bool(general)
             report.add("readiness", f"TP {tp}: {row.name}", "transformd readiness",
                        "names a reason" if named else "names no reason", "a reason for each", named,
