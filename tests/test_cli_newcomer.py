@@ -184,3 +184,35 @@ def test_cache_ls_lists_the_cache_of_the_daemon_resolve_asks(tmp_path: Path, dae
     monkeypatch.setenv("TRANSFORMD_SOCKET", str(tmp_path / "no.sock"))
     code, out, _ = _run(capsys, "cache", "ls")
     assert out[:2] == [f"cache {tmp_path / 'xdg' / 'transformd'} (no daemon answers here)", "no entries"], out
+
+
+def test_the_bar_shows_each_phase_from_the_start(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A CPU ``convert --cache-dir`` on a terminal showed nothing for seconds (hashing, torch's import, the head
+    start), then a bar already at 100%. The bar is drawn from the start at 0%, labelled by its phase (hashing,
+    converting, publishing), and redrawn while nothing moves it."""
+    import io
+    import time
+
+    from transformd import progress
+    from transformd.progress import ConvertProgress, Progress
+    from transformd.sample import write_sample_checkpoint
+
+    stream = io.StringIO()
+    bar = ConvertProgress(stream, tty=True)
+    bar.phase("hashing", 1000)
+    assert "hashing:   0%" in stream.getvalue(), stream.getvalue()
+    drawn = len(stream.getvalue())
+    time.sleep(3 * progress.TICK_S)
+    assert len(stream.getvalue()) > drawn, "redrawn while no update came (its elapsed time goes on)"
+    bar.update(Progress(phase="publishing", bytes_done=1000, bytes_total=1000, tensors_done=1, tensors_total=1))
+    assert "publishing: 100%" in stream.getvalue()
+    bar.close()
+
+    monkeypatch.setattr(progress, "draws_a_bar", lambda stream: True)
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    code, out, err = _run(capsys, "convert", src, "--cache-dir", tmp_path / "cache", "--no-daemon", "--device", "cpu")
+    assert code == 0, err
+    text = "\n".join(err).replace("\r", "\n")
+    first = {phase: text.find(f"{phase}:") for phase in ("hashing", "converting", "publishing")}
+    assert 0 <= first["hashing"] < first["converting"] < first["publishing"], text
+    assert text[first["converting"]:].startswith("converting:   0%"), text
