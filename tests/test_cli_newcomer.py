@@ -216,3 +216,35 @@ def test_the_bar_shows_each_phase_from_the_start(tmp_path: Path, capsys, monkeyp
     first = {phase: text.find(f"{phase}:") for phase in ("hashing", "converting", "publishing")}
     assert 0 <= first["hashing"] < first["converting"] < first["publishing"], text
     assert text[first["converting"]:].startswith("converting:   0%"), text
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0 or __import__("shutil").which("setpriv") is None,
+                    reason="needs root and setpriv (runs the daemon as another uid)")
+def test_a_cache_the_daemon_may_not_write_names_the_uid_and_the_fix() -> None:
+    """A Kubernetes hostPath ``DirectoryOrCreate`` makes a root-owned 0755 directory; the daemon (another uid) exited
+    with "Permission denied: .../entries", naming neither the uid nor the fix."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.support.callers import NOBODY
+
+    run = Path(tempfile.mkdtemp(prefix="td-cache-"))
+    try:
+        os.chmod(run, 0o755)
+        (run / "cache").mkdir(mode=0o755)  # root's, as DirectoryOrCreate makes it
+        (run / "models").mkdir(mode=0o755)
+        argv = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", sys.executable, "-m",
+                "transformd", "serve", "--socket", str(run / "td.sock"), "--cache-dir", str(run / "cache"),
+                "--allow-root", str(run / "models"), "--device", "cpu"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFORMD_")}
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=run)
+        assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert r.stderr.startswith(f"transformd: error: the daemon (uid {NOBODY}, gid {NOBODY}) may not write its "
+                                   f"cache directory {run / 'cache'} "), r.stderr
+        assert f"`install -d -o {NOBODY} -g {NOBODY} {run / 'cache'}`" in r.stderr, r.stderr
+        assert os.listdir(run / "cache") == [] and not (run / "td.sock").exists()
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
