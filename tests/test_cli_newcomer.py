@@ -248,3 +248,26 @@ def test_a_cache_the_daemon_may_not_write_names_the_uid_and_the_fix() -> None:
         assert os.listdir(run / "cache") == [] and not (run / "td.sock").exists()
     finally:
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_the_readme_progress_callback_prints_one_line_per_answer(capsys) -> None:
+    """The README's Python snippet passed ``progress=print``, which dumped whole status objects; its callback prints
+    one short line per answer, for an answer with progress and one without."""
+    import re
+    import textwrap
+
+    from transformd.answers import CheckpointStatus
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "progress=show" in b)
+    lines = block.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("def show("))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = next(i for i in range(start + 1, len(lines)) if len(lines[i]) - len(lines[i].lstrip()) <= indent)
+    namespace: dict = {}
+    exec(textwrap.dedent("\n".join(lines[start:end])), namespace)  # the README's own function, as written
+    key = "ab" * 16
+    namespace["show"](CheckpointStatus.from_json({"key": key, "state": "converting",
+                                                  "progress": {"bytes_done": 1, "bytes_total": 4}}))
+    namespace["show"](CheckpointStatus.from_json({"key": key, "state": "queued"}))
+    assert capsys.readouterr().out.splitlines() == [f"{key[:12]} converting 25%", f"{key[:12]} queued "]
