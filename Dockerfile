@@ -3,11 +3,14 @@
 # transformd sidecar image: `transformd serve` on the unix socket /run/transformd/transformd.sock,
 # its cache in /var/cache/transformd, sources accepted under /models.
 #
-#   docker build -t transformd .                                   # CPU (python:3.11-slim)
+#   docker build -t transformd .                                   # CPU (python:3.11.11-slim)
 #   docker build -t transformd:rocm \                              # AMD gfx94x (MI300X, MI325X)
-#       --build-arg BASE_IMAGE=rocm/pytorch:latest --build-arg TORCH_REQUIREMENT= .
+#       --build-arg BASE_IMAGE=rocm/pytorch:rocm6.4.1_ubuntu24.04_py3.12_pytorch_release_2.6.0 --build-arg TORCH_REQUIREMENT= .
 #   docker build -t transformd:cuda \                              # NVIDIA (Hopper)
-#       --build-arg BASE_IMAGE=pytorch/pytorch:latest --build-arg TORCH_REQUIREMENT= .
+#       --build-arg BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime --build-arg TORCH_REQUIREMENT= .
+#
+# Every image is pinned to a version, so a rebuild gets what was built before; move a pin on purpose (the
+# engine images to the engine versions you run).
 #
 # BASE_IMAGE: any image with python3 (>= 3.10). The GPU bases (ROCm PyTorch, CUDA PyTorch) carry the
 # PyTorch build for their platform: an empty TORCH_REQUIREMENT keeps it (the virtual environment is
@@ -23,11 +26,11 @@
 #
 # A second target, `engine`, is an inference engine image with the transformd client added, so the
 # engine's command can run `transformd resolve` (see transformd/deploy/):
-#   docker build --target engine --build-arg ENGINE_IMAGE=rocm/vllm:latest -t vllm-transformd .
+#   docker build --target engine --build-arg ENGINE_IMAGE=rocm/vllm:rocm6.4.1_vllm_0.9.1_20250715 -t vllm-transformd .
 # BuildKit (the default builder) builds only the stages the chosen target needs.
 
-ARG BASE_IMAGE=python:3.11-slim
-ARG ENGINE_IMAGE=vllm/vllm-openai:latest
+ARG BASE_IMAGE=python:3.11.11-slim
+ARG ENGINE_IMAGE=vllm/vllm-openai:v0.9.2
 
 # ---- the source tree, once (see .dockerignore) --------------------------------------------------------------------
 FROM scratch AS src

@@ -184,3 +184,90 @@ def test_cache_ls_lists_the_cache_of_the_daemon_resolve_asks(tmp_path: Path, dae
     monkeypatch.setenv("TRANSFORMD_SOCKET", str(tmp_path / "no.sock"))
     code, out, _ = _run(capsys, "cache", "ls")
     assert out[:2] == [f"cache {tmp_path / 'xdg' / 'transformd'} (no daemon answers here)", "no entries"], out
+
+
+def test_the_bar_shows_each_phase_from_the_start(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A CPU ``convert --cache-dir`` on a terminal showed nothing for seconds (hashing, torch's import, the head
+    start), then a bar already at 100%. The bar is drawn from the start at 0%, labelled by its phase (hashing,
+    converting, publishing), and redrawn while nothing moves it."""
+    import io
+    import time
+
+    from transformd import progress
+    from transformd.progress import ConvertProgress, Progress
+    from transformd.sample import write_sample_checkpoint
+
+    stream = io.StringIO()
+    bar = ConvertProgress(stream, tty=True)
+    bar.phase("hashing", 1000)
+    assert "hashing:   0%" in stream.getvalue(), stream.getvalue()
+    drawn = len(stream.getvalue())
+    time.sleep(3 * progress.TICK_S)
+    assert len(stream.getvalue()) > drawn, "redrawn while no update came (its elapsed time goes on)"
+    bar.update(Progress(phase="publishing", bytes_done=1000, bytes_total=1000, tensors_done=1, tensors_total=1))
+    assert "publishing: 100%" in stream.getvalue()
+    bar.close()
+
+    monkeypatch.setattr(progress, "draws_a_bar", lambda stream: True)
+    src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)
+    code, out, err = _run(capsys, "convert", src, "--cache-dir", tmp_path / "cache", "--no-daemon", "--device", "cpu")
+    assert code == 0, err
+    text = "\n".join(err).replace("\r", "\n")
+    first = {phase: text.find(f"{phase}:") for phase in ("hashing", "converting", "publishing")}
+    assert 0 <= first["hashing"] < first["converting"] < first["publishing"], text
+    assert text[first["converting"]:].startswith("converting:   0%"), text
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0 or __import__("shutil").which("setpriv") is None,
+                    reason="needs root and setpriv (runs the daemon as another uid)")
+def test_a_cache_the_daemon_may_not_write_names_the_uid_and_the_fix() -> None:
+    """A Kubernetes hostPath ``DirectoryOrCreate`` makes a root-owned 0755 directory; the daemon (another uid) exited
+    with "Permission denied: .../entries", naming neither the uid nor the fix."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.support.callers import NOBODY
+
+    run = Path(tempfile.mkdtemp(prefix="td-cache-"))
+    try:
+        os.chmod(run, 0o755)
+        (run / "cache").mkdir(mode=0o755)  # root's, as DirectoryOrCreate makes it
+        (run / "models").mkdir(mode=0o755)
+        argv = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", sys.executable, "-m",
+                "transformd", "serve", "--socket", str(run / "td.sock"), "--cache-dir", str(run / "cache"),
+                "--allow-root", str(run / "models"), "--device", "cpu"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFORMD_")}
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=run)
+        assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert r.stderr.startswith(f"transformd: error: the daemon (uid {NOBODY}, gid {NOBODY}) may not write its "
+                                   f"cache directory {run / 'cache'} "), r.stderr
+        assert f"`install -d -o {NOBODY} -g {NOBODY} {run / 'cache'}`" in r.stderr, r.stderr
+        assert os.listdir(run / "cache") == [] and not (run / "td.sock").exists()
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_the_readme_progress_callback_prints_one_line_per_answer(capsys) -> None:
+    """The README's Python snippet passed ``progress=print``, which dumped whole status objects; its callback prints
+    one short line per answer, for an answer with progress and one without."""
+    import re
+    import textwrap
+
+    from transformd.answers import CheckpointStatus
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "progress=show" in b)
+    lines = block.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("def show("))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = next(i for i in range(start + 1, len(lines)) if len(lines[i]) - len(lines[i].lstrip()) <= indent)
+    namespace: dict = {}
+    exec(textwrap.dedent("\n".join(lines[start:end])), namespace)  # the README's own function, as written
+    key = "ab" * 16
+    namespace["show"](CheckpointStatus.from_json({"key": key, "state": "converting",
+                                                  "progress": {"bytes_done": 1, "bytes_total": 4}}))
+    namespace["show"](CheckpointStatus.from_json({"key": key, "state": "queued"}))
+    assert capsys.readouterr().out.splitlines() == [f"{key[:12]} converting 25%", f"{key[:12]} queued "]

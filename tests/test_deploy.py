@@ -244,3 +244,76 @@ def test_kubernetes_pod():
     assert "transformd resolve /models/" in command and f"--socket {SOCKET}" in command
     assert "vllm serve" in command and "--target ocp" in command
     assert "--engine vllm" in command, "the hook names its engine (issue 44): else a silent misload is refused"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The examples work as written on a fresh node (issue 45)
+
+
+def _pinned(image: str) -> bool:
+    """An image named by a version or a digest: a tag other than ``latest`` holding a digit, or ``@sha256:``."""
+    if "@sha256:" in image:
+        return True
+    name, _, tag = image.rpartition(":")
+    return bool(name) and "/" not in tag and tag != "latest" and any(c.isdigit() for c in tag)
+
+
+def test_every_base_image_is_pinned(dockerfile):
+    """``:latest`` gave a different image on every rebuild; the Dockerfile's defaults, the images its comments tell
+    to build with, and the examples' build arguments and images are versions."""
+    global_args, _, _ = dockerfile
+    for name in ("BASE_IMAGE", "ENGINE_IMAGE"):
+        assert _pinned(global_args[name]), (name, global_args[name])
+    told = re.findall(r"(?:BASE_IMAGE|ENGINE_IMAGE)=(\S+)", DOCKERFILE.read_text())
+    assert told and all(_pinned(i) for i in told), told
+    compose = yaml.safe_load(COMPOSE.read_text())
+    for service in compose["services"].values():
+        for value in (service.get("build") or {}).get("args", {}).values():
+            if "/" in str(value) or ":" in str(value):
+                assert _pinned(value), value
+    pod = next(d for d in yaml.safe_load_all(KUBERNETES.read_text()) if d and d["kind"] == "Pod")
+    built_here = {"transformd:rocm", "vllm-transformd:rocm"}  # the Dockerfile's targets, built and pushed by the user
+    for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
+        assert c["image"] in built_here or _pinned(c["image"]), c["image"]
+    for text in (COMPOSE.read_text(), KUBERNETES.read_text(), DOCKERFILE.read_text()):
+        assert ":latest" not in text
+
+
+def test_kubernetes_cache_is_the_daemons_before_it_starts():
+    """The cache hostPath (``DirectoryOrCreate``: root's, 0755 on a fresh node, and fsGroup does not apply to
+    hostPath) is given to the daemon's uid by an init container that runs before the daemon; the hub cache, which
+    only repo ids need, does not stop the pod on a node without it."""
+    pod = next(d for d in yaml.safe_load_all(KUBERNETES.read_text()) if d and d["kind"] == "Pod")
+    spec = pod["spec"]
+    inits = spec["initContainers"]
+    daemon_at = next(i for i, c in enumerate(inits) if c["name"] == "transformd")
+    uid, gid = inits[daemon_at]["securityContext"]["runAsUser"], inits[daemon_at]["securityContext"]["runAsGroup"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    cache_volume = next(m["name"] for m in inits[daemon_at]["volumeMounts"] if m["mountPath"] == CACHE_DIR)
+    assert volumes[cache_volume]["hostPath"]["type"] == "DirectoryOrCreate"
+    owners = [c for c in inits[:daemon_at]
+              if any(m["name"] == cache_volume and not m.get("readOnly") for m in c.get("volumeMounts", []))]
+    assert len(owners) == 1, "one init container before the daemon owns the cache directory"
+    owner = owners[0]
+    mount = next(m["mountPath"] for m in owner["volumeMounts"] if m["name"] == cache_volume)
+    script = " ".join(owner.get("command", []) + owner.get("args", []))
+    assert f"chown {uid}:{gid} {mount}" in script and "-R" not in script, script
+    assert "restartPolicy" not in owner, "a plain init container: it ends before the daemon starts"
+    context = owner["securityContext"]
+    assert context["runAsUser"] == 0 and context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"]["drop"] == ["ALL"] and set(context["capabilities"]["add"]) <= {"CHOWN", "FOWNER"}
+    for name, v in volumes.items():  # a hostPath the pod needs on every node is made, or is the models' own
+        if "hostPath" in v and name != "models":
+            assert v["hostPath"].get("type") == "DirectoryOrCreate", (name, v)
+
+
+def test_compose_cache_volume_is_the_daemons():
+    """Compose's cache is a named volume: Docker fills a new one from the image's directory, with its owner (the
+    daemon's user); a bind mount of a host directory would be root's, as in Kubernetes."""
+    compose = yaml.safe_load(COMPOSE.read_text())
+    daemon = compose["services"]["transformd"]
+    source = _mounts_compose(daemon)[CACHE_DIR][0]
+    assert source in compose["volumes"] and not source.startswith(("/", ".")), source
+    _, stages_ = stages(parse_dockerfile(DOCKERFILE.read_text()))
+    run = " ".join(rest for w, rest in stages_[-1] if w == "RUN")
+    assert re.search(r"chown \S+ " + re.escape(CACHE_DIR), run), "the image's cache directory is the daemon's user's"

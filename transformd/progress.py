@@ -169,10 +169,18 @@ def draws_a_bar(stream: TextIO) -> bool:
         return True
 
 
+#: Seconds between redraws of a bar that no update moves (its elapsed time goes on: the process is not stuck).
+TICK_S = 0.5
+
+
 class ConvertProgress:
     """Progress of ``transformd convert`` on ``stream``: a tqdm bar on a terminal, else one line every
     ``every_s`` seconds (the first ``every_s`` after the first update, so a short conversion prints none).
-    The ETA is :class:`Eta`'s. Use as the ``progress`` callback; :meth:`close` at the end."""
+    The ETA is :class:`Eta`'s. Use as the ``progress`` callback; :meth:`close` at the end.
+
+    :meth:`phase` names what the command does before and between updates (hashing, converting, publishing): on a
+    terminal the bar is drawn from the start with the phase as its label, and redrawn every :data:`TICK_S` while
+    no update comes (a CPU conversion showed nothing for seconds, then a bar already at 100%)."""
 
     def __init__(self, stream: TextIO, *, every_s: float = 5.0, tty: bool | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -183,10 +191,25 @@ class ConvertProgress:
         self._eta = Eta(clock)
         self._bar: Any = None
         self._next_line: float | None = None
+        self._phase = "converting"
+        self._ticker: Any = None
+
+    def phase(self, name: str, total_bytes: int | None = None) -> None:
+        """What is being done now (``hashing``, ``converting``, ``publishing``), over ``total_bytes`` if known: the
+        bar's label on a terminal, drawn at once; the word the log lines start with elsewhere."""
+        self._phase = name
+        if not self._tty:
+            return
+        if self._bar is None and total_bytes is not None:
+            self._new_bar(total_bytes)
+        if self._bar is not None:
+            self._bar.set_description_str(name, refresh=True)
 
     def update(self, update: Progress | None) -> None:
         if update is None:
             return
+        if update.phase and update.phase != self._phase and update.phase != "done":
+            self.phase(update.phase)
         c = counters(update)
         eta = self._eta.update(update)
         if "bytes_total" not in c or "bytes_done" not in c:
@@ -199,7 +222,7 @@ class ConvertProgress:
             self._next_line = now + self._every
         elif now >= self._next_line:
             self._next_line = now + self._every
-            print(f"transformd: {update.phase or 'converting'} {self.describe(c, self._eta.rate, eta)}",
+            print(f"transformd: {update.phase or self._phase} {self.describe(c, self._eta.rate, eta)}",
                   file=self._stream, flush=True)
 
     @staticmethod
@@ -214,23 +237,42 @@ class ConvertProgress:
         parts.append(f"~{human_seconds(eta)} left" if eta is not None else "estimating time left")
         return ", ".join(parts)
 
+    def _new_bar(self, total: int) -> None:
+        import threading
+
+        from tqdm import tqdm
+
+        # tqdm's own ETA counts every byte alike (fast copies too): show Eta's instead
+        self._bar = bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=self._stream,
+                               desc=self._phase, dynamic_ncols=True,
+                               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                          "[{elapsed}, {rate_fmt}{postfix}]")
+        stop = threading.Event()
+
+        def tick() -> None:  # (tqdm redraws only when it is moved)
+            while not stop.wait(TICK_S):
+                if self._bar is bar:
+                    bar.refresh()
+
+        self._ticker = stop
+        threading.Thread(target=tick, name="transformd-bar", daemon=True).start()
+
     def _update_bar(self, c: dict[str, int], eta: float | None) -> None:
         if self._bar is None:
-            from tqdm import tqdm
-
-            # tqdm's own ETA counts every byte alike (fast copies too): show Eta's instead
-            self._bar = tqdm(total=c["bytes_total"], unit="B", unit_scale=True, unit_divisor=1024, file=self._stream,
-                             desc="converting", dynamic_ncols=True,
-                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                                        "[{elapsed}, {rate_fmt}{postfix}]")
+            self._new_bar(c["bytes_total"])
         self._bar.total = c["bytes_total"]
         self._bar.update(max(0, c["bytes_done"] - self._bar.n))
         left = f"~{human_seconds(eta)} left" if eta is not None else "estimating"
         self._bar.set_postfix_str(f"{c.get('tensors_done', 0)}/{c.get('tensors_total', 0)} tensors, {left}",
                                   refresh=False)
 
-    def close(self) -> None:
+    def close(self, *, leave: bool = True) -> None:
+        """End the bar; ``leave=False`` erases it (a phase whose bar never moved: hashing before a hit)."""
+        if self._ticker is not None:
+            self._ticker.set()
+            self._ticker = None
         if self._bar is not None:
+            self._bar.leave = leave
             self._bar.close()
             self._bar = None
 

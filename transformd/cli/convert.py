@@ -167,6 +167,19 @@ def _while_starting(src: str | Path, device: str, progress: Callable[[Any], None
             cuda.join(10)
 
 
+def _shard_bytes(src: str | Path) -> int | None:
+    """The bytes of ``src``'s shards (their sizes: nothing is read), the bar's total until the conversion's own."""
+    from ..readahead import shard_files
+
+    sizes = []
+    for shard in shard_files(src):
+        try:
+            sizes.append(shard.stat().st_size)
+        except OSError:
+            pass
+    return sum(sizes) or None
+
+
 # -------------------------------------------------------------------------------------------------------------------
 # Handlers
 
@@ -197,6 +210,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     from ..progress import ConvertProgress, summary
 
     bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
+    bar.phase("converting", _shard_bytes(args.src))  # (drawn now: torch's import and a head start come first)
     with bar, _while_starting(args.src, args.device, bar.update) as update:
         from ..checkpoint import convert_checkpoint  # (it imports torch while the source is read ahead)
 
@@ -241,7 +255,15 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
     # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
     ours = cache.written_here()  # (another user's cache, a daemon's, is read by key only: its daemon keys, converts)
-    identity = cache.identity_unless_alongside(args.src) if ours else None
+    bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
+    if ours:  # (hashing a source printed nothing: the bar is drawn from the start, each phase its label)
+        bar.phase("hashing", _shard_bytes(args.src))
+        try:
+            identity = cache.identity_unless_alongside(args.src)
+        finally:
+            bar.close(leave=False)  # (a daemon asked next shows its own; a conversion here draws the bar again)
+    else:
+        identity = None
     known = None if isinstance(identity, PendingIdentity) else identity
     cached = None if known is None else cache.get(cache_key(known, recipe))
     if args.engine != "raw":  # refuse before converting (headers only); the cache checks everything else
@@ -263,7 +285,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         raise CacheError(f"cannot convert into {cache.root}: only its owner (uid {owner}, its daemon) writes that "
                          f"cache, and {asked}; give a --cache-dir of your own otherwise")
     if entry is None:
-        bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
+        bar.phase("converting", _shard_bytes(args.src))
         # a source new to the cache is hashed beside its conversion, which reads it ahead itself (cache.alongside)
         with bar, _while_starting(args.src, args.device, lambda status: bar.update(status.progress),
                                   read_ahead=known is not None) as update:

@@ -84,7 +84,8 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
         help="run the daemon: HTTP API on a unix socket (default) or a loopback TCP port with a token",
         description="Run the transformd daemon. Listens on a unix socket by default (0660). --port listens on TCP "
         "(loopback unless --host) and requires --token-file; the unix socket is then opened too only when --socket "
-        "or TRANSFORMD_SOCKET names one. Sources must lie under an --allow-root. Every flag can also be set with a "
+        "or TRANSFORMD_SOCKET names one. Sources must lie under an --allow-root: without one that is a readable "
+        "directory (or --allow-hub-cache) it does not start. Every flag can also be set with a "
         "TRANSFORMD_* environment variable (TRANSFORMD_ALLOW_ROOTS is os.pathsep-separated).",
     )
     p.add_argument(

@@ -259,6 +259,20 @@ def _check_cache_not_writable_by_others(root: Path) -> None:
                              f"make {d} its own and 'chmod go-w' it")
 
 
+def _cache_not_writable(err: PermissionError, settings: Settings) -> Exception:
+    """The error for a cache directory the daemon may not write: which uid needs write access, and the command that
+    gives it (a Kubernetes hostPath ``DirectoryOrCreate`` makes a root-owned 0755 directory)."""
+    from ..cache import CacheError
+    from ..cache.store import default_root
+
+    root = default_root(settings.cache_dir)
+    uid, gid = os.geteuid(), os.getegid()
+    where = err.filename or root
+    return CacheError(f"the daemon (uid {uid}, gid {gid}) may not write its cache directory {root} (permission denied "
+                      f"on {where}): give it to that user with `install -d -o {uid} -g {gid} {root}` (or `chown "
+                      f"{uid}:{gid} {root}`) as root, e.g. in an init container, or choose another --cache-dir")
+
+
 def _check_source_roots(settings: Settings) -> None:
     """Refuse to start a daemon that would refuse every source (it started, ``health`` said ok, probes passed, and
     the failure showed only at an engine's first resolve): no allowed root at all, or none that is a directory the
@@ -298,7 +312,15 @@ def serve(settings: Settings, *, converter: Any = None, cache: Any = None, strea
     stream = stream or sys.stderr
     _raise_open_files_limit()
     os.umask(0o022)  # what it creates in the cache: never group- or world-writable; readable (engines of other users)
-    app = create_app(settings, converter=converter, cache=cache)
+    from ..cache import CacheError
+
+    try:
+        app = create_app(settings, converter=converter, cache=cache)
+    except (PermissionError, CacheError) as e:  # (it said "Permission denied: .../entries", naming no uid nor fix)
+        denied = e if isinstance(e, PermissionError) else e.__cause__
+        if not isinstance(denied, PermissionError):
+            raise
+        raise _cache_not_writable(denied, settings) from e
     _check_cache_not_writable_by_others(app.state.daemon.cache.root)
     _check_source_roots(settings)
     listeners = open_listeners(settings)
