@@ -216,8 +216,11 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
+    """``convert`` into the cache: the steps of :mod:`transformd.request`, with the daemon that serves the same
+    cache as the converter when there is one."""
+    from .. import request
     from ..cache import Cache, CacheError, PendingIdentity, Recipe, TransformdConverter, cache_key
-    from ..checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
+    from ..checkpoint import readiness_of_dir
     from ..progress import ConvertProgress
 
     if args.overwrite:
@@ -228,15 +231,17 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
     # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
     ours = cache.written_here()  # (another user's cache, a daemon's, is read by key only: its daemon keys, converts)
-    identity = cache.identity_unless_alongside(args.src) if ours else None
+    identity = request.identify(cache, args.src, defer=True) if ours else None
     known = None if isinstance(identity, PendingIdentity) else identity
-    cached = None if known is None else cache.get(cache_key(known, recipe))
+    slot = identity.slot(recipe) if isinstance(identity, PendingIdentity) else None  # (its conversion's name)
+    entry = request.find(cache, known, recipe)  # a hit: the source was keyed and its entry found, neither done again
+    planned = None
     if args.engine is not None:  # refuse before converting (headers only); the cache checks everything else
-        # a hit is checked against what its conversion recorded
-        report = _recorded_readiness(cached) if cached is not None else None
-        check_engine(report or plan_readiness(plan_conversion(args.src, select=args.select), target), args.engine,
-                     args.src)
-    entry = cached  # a hit: the source was keyed and its entry found above, neither is done again
+        report = request.recorded_readiness(entry) if entry is not None else None  # a hit: what its conversion said
+        if report is None:  # read once, from the files identified, and handed to the conversion below
+            planned = request.plan(cache, args.src, recipe, identity=known, slot=slot)
+            report = request.readiness(planned, recipe)
+        request.check_engine(report, args.engine, args.src)
     if entry is None and not args.no_daemon:
         from .delegate import convert_through_daemon
 
@@ -249,11 +254,14 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
                          f"cache, and {asked}; give a --cache-dir of your own otherwise")
     if entry is None:
         bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
+        # a plan is of the files identified: the conversion must find them, with that content, as they were then
+        expect = {} if planned is None else {"key": known and cache_key(known, recipe), "slot": slot}
         # a source new to the cache is hashed beside its conversion, which reads it ahead itself (cache.alongside)
         with bar, _while_starting(args.src, args.device, lambda status: bar.update(status.progress),
                                   read_ahead=known is not None) as update:
-            entry = cache.get_or_convert(args.src, recipe, progress=update, identity=known)
-    _print_outcome(_recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
+            entry = request.produce(cache, args.src, recipe, identity=known, planned=planned, progress=update,
+                                    **expect)
+    _print_outcome(request.recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:
         from ..report import compare_checkpoints
@@ -261,18 +269,6 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
         print(visible(compare_checkpoints(args.src, entry.path).format_table(legend=True)))
     print(entry.path)
     return EXIT_OK
-
-
-def _recorded_readiness(entry) -> dict | None:
-    """The engine readiness the conversion recorded in the entry's manifest (the report of its output, computed
-    before it was written), or None (an entry of an older version: then it is computed from the headers)."""
-    from ..engines import CHECKED_ENGINES, EngineReadiness
-
-    try:
-        recorded = entry.manifest.result["readiness"]  # (in the engines' order, not the manifest's sorted keys)
-        return {e.value: EngineReadiness(**recorded[e.value]) for e in CHECKED_ENGINES if e.value in recorded} or None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 def _cached_summary(entry) -> str:

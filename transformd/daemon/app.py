@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi import Path as FastApiPath
 from fastapi.responses import JSONResponse, Response
 
-from ..cache import Cache, EntryLeasedError, EntryNotFoundError, PendingIdentity, Recipe, cache_key
+from .. import request
+from ..cache import Cache, EntryLeasedError, EntryNotFoundError, PendingIdentity, Recipe, SourceIdentity, cache_key
 from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
 from ..engines import Platform, choose_target
@@ -213,22 +214,25 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, caller: Caller) -> dict[str, Any]:
-    """Blocking: readiness of the output a conversion of ``source`` would write (headers only, read through checked
-    descriptors); 403 unless ``caller`` could read the files opened now (the path may name others by then)."""
-    from ..checkpoint import plan_conversion, plan_readiness
+def _plan_readiness(d: Daemon, source: str, recipe: Recipe, caller: Caller, *, identity: SourceIdentity | None,
+                    slot: str | None) -> tuple[Any, dict[str, Any]]:
+    """Blocking: the plan of ``source`` (:func:`transformd.request.plan`: headers only, read through checked
+    descriptors of the files the request identified, by ``identity`` or ``slot``) and the readiness of the output
+    a conversion would write; 403 unless ``caller`` could read the files opened now (the path may name others by
+    then)."""
+
+    def allow(facts: Any) -> None:
+        missing = denied(caller, facts)
+        if missing is not None:
+            raise unreadable(caller, source, str(missing))
 
     try:
-        with d.cache.open_source(source) as tree:
-            missing = denied(caller, tree.facts())
-            plan = None if missing is not None else plan_conversion(tree.view(), select=select)
+        planned = request.plan(d.cache, source, recipe, identity=identity, slot=slot, allow=allow)
     except ApiError:
         raise
     except Exception as e:
         raise error_for_exception(e) from e
-    if plan is None:
-        raise unreadable(caller, source, str(missing))
-    return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
+    return planned, {name: r.as_dict() for name, r in request.readiness(planned, recipe).items()}
 
 
 def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
@@ -328,9 +332,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 d.grant(key, caller)
                 return await _ready(info, job, reason, body.engine, hub)
         metrics.cache_misses.inc()
-        await _admit(caller, key, source, body, target)
+        planned = await _admit(caller, key, source, body, recipe, identity=ident)
         d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
-        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident)
+        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident, planned=planned)
         assert job is not None
         return await _answer(key, job, reason, body.engine, hub)
 
@@ -345,8 +349,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         if missing is not None:
             raise unreadable(caller, source, missing)
         slot = pending.slot(recipe)
-        await _admit(caller, slot, source, body, recipe.target)
-        job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True)
+        planned = await _admit(caller, slot, source, body, recipe, slot=slot)
+        job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True, planned=planned)
         if job is None:
             return None
         key = await service.keyed(job)
@@ -358,20 +362,23 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             metrics.cache_misses.inc()
         return await _answer(key, job, reason, body.engine, hub)
 
-    async def _admit(caller: Caller, key: str, source: str, body: CheckpointRequest, target: str) -> None:
+    async def _admit(caller: Caller, key: str, source: str, body: CheckpointRequest, recipe: Recipe, *,
+                     identity: SourceIdentity | None = None, slot: str | None = None) -> Any:
         """Before a request starts a job for ``key`` (unless it joins the active one): the caller's limit of queued
-        conversions (429), then the engine's check of the converted checkpoint (from the headers, in a source slot;
-        422)."""
+        conversions (429), then the engine's check of the converted checkpoint (from the headers of the files the
+        request identified, in a source slot; 422). Returns the plan that check read (for the job), or None."""
         job = service.job(key)
         joins = job is not None and job.active
         if not joins and not d.is_admin(caller) and service.queued_by(caller.uid) >= d.settings.max_queued_per_caller:
             raise ApiError(429, "caller_queue_full", f"{caller.describe()} already has "
                            f"{d.settings.max_queued_per_caller} conversions queued or running; wait for them",
                            headers={"Retry-After": "5"})
-        if body.engine is not None and not joins:
-            async with d.source_slot(caller):  # (it reads the source's headers)
-                report = await _thread(_plan_readiness, d, source, body.select, target, caller)
-            _check_engine(report, body.engine)
+        if body.engine is None or joins:
+            return None
+        async with d.source_slot(caller):  # (it reads the source's headers)
+            planned, report = await _thread(_plan_readiness, d, source, recipe, caller, identity=identity, slot=slot)
+        _check_engine(report, body.engine)
+        return planned
 
     async def _answer(key: str, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:
         """POST's answer once the request has a job for ``key``: the entry (200) if the job is done, else 202."""

@@ -2,11 +2,11 @@
 
 One :class:`Job` per cache key at a time. A ``POST /v1/checkpoints`` that misses the cache calls
 :meth:`ConversionService.ensure_job`: the first request for a key creates the job and checks the
-checkpoint (``converter.plan``, headers only; an invalid checkpoint is a 422 for every request that
-waits on that check, and nothing is written); concurrent requests for the same key join the same
+checkpoint (step 4 of :mod:`transformd.request`, headers only; an invalid checkpoint is a 422 for every
+request that waits on that check, and nothing is written); concurrent requests for the same key join the same
 job and never start a second thread. Checked jobs wait in a FIFO queue (at most
 ``max_queued`` of them; more is a 503) for one of ``max_concurrent`` worker threads, which runs
-:meth:`transformd.cache.Cache.get_or_convert` (the cache adds single flight across processes, the
+:func:`transformd.request.produce` (the cache adds single flight across processes, the
 atomic publish and the eviction). Progress comes back through the cache's progress callback.
 
 The event loop never waits on a conversion, a hash or a directory scan: source checks, identities
@@ -28,13 +28,14 @@ from typing import Any
 
 import anyio.to_thread
 
+from .. import request
 from ..cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
 from ..cache.keys import check_as_requested
 from ..progress import COUNTERS, Eta, Progress, human_bytes
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
 from .paths import SourcePolicy
-from .shards import ConversionOutline, ShardPriority, bind_shard_order, plan_of
+from .shards import ConversionOutline, ShardPriority, plan_of
 
 log = logging.getLogger("transformd.daemon")
 
@@ -76,6 +77,9 @@ class Job:
         self.uid: int | None = None
         #: the source's identity when the request came (keys the conversion without reading the source again)
         self.identity: SourceIdentity | None = None
+        #: the plan of the source the request read for its engine check (:func:`transformd.request.plan`), for the
+        #: job's check and its conversion (the headers are read once per request)
+        self.planned: Any = None
         self.priority = ShardPriority()
         self.outline: ConversionOutline | None = None
         self.state = "queued"
@@ -316,11 +320,19 @@ class ConversionService:
 
     def _identify_blocking(self, source: str, defer: bool) -> SourceIdentity | PendingIdentity:
         self.policy.check_allowed(source)
-        return self.cache.identity_unless_alongside(source) if defer else self.cache.identity(source)
+        return request.identify(self.cache, source, defer=defer)
 
     def _plan_blocking(self, job: Job) -> ConversionOutline | None:
         """The converter's check of the job's source, reading only the checked descriptors (a view) of the tree the
-        request checked (:func:`.keys.check_as_requested`: its errors name no other files)."""
+        request checked (:func:`.keys.check_as_requested`: its errors name no other files): transformd's converter
+        takes the plan of :func:`transformd.request.plan` (the request's own, when its engine check read one);
+        another converter (a test's) makes its own."""
+        outline_of = getattr(self.converter, "outline", None)
+        if outline_of is not None:
+            planned = job.planned
+            if planned is None:
+                planned = request.plan(self.cache, job.source, job.recipe, slot=job.slot, identity=job.identity)
+            return outline_of(planned)
         with self.cache.open_source(job.source) as tree:
             check_as_requested(tree, job.recipe, job.source, slot=job.slot, identity=job.identity)
             view = tree.view()
@@ -336,14 +348,16 @@ class ConversionService:
         return sum(1 for j in self._jobs.values() if j.active and j.uid == uid)
 
     async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None,
-                         identity: SourceIdentity | None = None, provisional: bool = False) -> Job | None:
+                         identity: SourceIdentity | None = None, provisional: bool = False,
+                         planned: Any = None) -> Job | None:
         """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
 
         ``identity``: the request's identity of the source (:meth:`identify`), so the conversion does not read
         the source again to key it. ``provisional``: ``key`` is a :class:`PendingIdentity`'s slot; the job
         converts the source while hashing it (:meth:`keyed` waits for the key). It is started only when a worker
         is free for it at once (else None: the caller hashes first, so that its answer does not wait for the
-        queue).
+        queue). ``planned``: the plan the request read of the same files (:func:`transformd.request.plan`), if it
+        read one: a new job does not read it again.
 
         Raises :class:`ApiError`: 422 invalid checkpoint (for every request waiting on the check), 503 queue
         full or shutting down.
@@ -371,6 +385,7 @@ class ConversionService:
             job = Job(key, source, recipe)
             job.uid = uid
             job.identity = identity
+            job.planned = planned
             if provisional:
                 self._provisional(job)
             self._jobs[key] = job
@@ -460,15 +475,17 @@ class ConversionService:
         t0 = time.monotonic()
         outcome = "failed"
         try:
-            entry = self.cache.get_or_convert(
+            entry = request.produce(
+                self.cache,
                 job.source,
                 job.recipe,
-                progress=job.on_status,
-                converter=bind_shard_order(self.converter, job.priority, job.outline.plan if job.outline else None),
                 identity=job.identity,
-                expect_key=None if job.slot is not None else job.key,
-                expect_slot=job.slot,  # (the provisional key of the tree the request checked)
-                expect_files=job.identity if job.slot is None else None,  # (the files it identified)
+                key=job.key,  # (the files and content the request checked, or the tree of its slot)
+                slot=job.slot,
+                planned=job.outline.plan if job.outline else None,
+                shard_order=job.priority,
+                converter=self.converter,
+                progress=job.on_status,
                 poll_interval=POLL_INTERVAL_S,
             )
             outcome = {"converted": "converted", "waited": "waited"}.get(entry.outcome, "hit")
