@@ -197,6 +197,12 @@ def fetch_entry(store: ObjectStore, key: str, staging_dir: Path, progress: Calla
     out = staging_dir / CHECKPOINT_DIR
     if out.exists() or (staging_dir / MANIFEST_NAME).exists():
         raise FileExistsError(f"{staging_dir} already holds an entry")
+    big = next((r for r in manifest.files if r.size > RANGE_BYTES), None)
+    if ranges and big is not None:  # one byte first: a server that answers it whole is read one stream per file
+        try:
+            store.read_range(names.file_name(key, big.name), 0, 1)
+        except NotPartialError:
+            ranges = False
     try:
         with ThreadPoolExecutor(STREAMS, thread_name_prefix="transformd-remote-get") as pool:
             out.mkdir()
