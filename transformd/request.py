@@ -10,8 +10,14 @@
 4. **plan and check** (:func:`plan`, :func:`check_engine`): the checkpoint's headers, read once through checked
    descriptors of the files the request identified; with an engine named, what it could not load is refused
    before anything is converted. The same plan is handed to the conversion, which does not read them again.
-5. **produce** (:func:`produce`): the entry made under the cache's single flight (one process per key, the others
-   wait for it) in a private staging directory, published by one rename.
+5. **produce** (:func:`produce`): with a remote tier (:class:`Tier`, ``--remote``), first the tier's entry of the
+   key, downloaded and checked into a private staging directory and published by one rename; else the entry
+   converted under the cache's single flight (one process per key, the others wait for it) in a private staging
+   directory, published by one rename, then uploaded to the tier in the background (the answer never waits for
+   the upload). Any failure of the tier is logged once, counted, and the request goes on as without a tier.
+
+A node with a repo id and a full commit but no snapshot of it asks the tier by its alias record
+(:meth:`Tier.fetch_alias`) instead of steps 2-5.
 
 A hub repo id is turned into its snapshot's path before step 1 (:mod:`transformd.hub`; the daemon also checks
 that its caller may read it). The CLI (:mod:`transformd.cli.convert`) runs the steps one after the other, with
@@ -27,20 +33,24 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity, cache_key
 from .cache.keys import check_as_requested
+from .errors import CacheError
 
 if TYPE_CHECKING:
     from .cache.securefs import AccessFacts
+    from .remote import Remote
     from .checkpoint.plan import ConversionPlan
     from .engines import EngineReadiness
 
-__all__ = ["bind", "check_engine", "find", "identify", "plan", "produce", "readiness", "recorded_readiness"]
+__all__ = ["Tier", "bind", "check_engine", "find", "identify", "plan", "produce", "readiness", "recorded_readiness"]
 
 
 def identify(cache: Cache, src: str | os.PathLike[str], *, defer: bool = False) -> SourceIdentity | PendingIdentity:
@@ -110,7 +120,7 @@ def recorded_readiness(entry: Entry) -> dict[str, EngineReadiness] | None:
 def produce(cache: Cache, src: str | os.PathLike[str], recipe: Recipe, *, identity: SourceIdentity | None = None,
             key: str | None = None, slot: str | None = None, planned: Any = None, shard_order: Any = None,
             converter: Any = None, progress: Callable[[ConversionStatus], None] | None = None,
-            poll_interval: float = 0.1) -> Entry:
+            poll_interval: float = 0.1, tier: Tier | None = None, alias: tuple[str, str] | None = None) -> Entry:
     """Step 5: the entry of ``src`` with ``recipe``, converted into staging and published by
     :meth:`~transformd.cache.Cache.get_or_convert` unless it is there or another process makes it (then this
     waits for it, reporting its progress).
@@ -120,8 +130,18 @@ def produce(cache: Cache, src: str | os.PathLike[str], recipe: Recipe, *, identi
     still be that content, in those files, else :class:`~transformd.cache.keys.SourceChangedError` and nothing is
     converted; give one whenever a ``planned`` (step 4's plan, or a converter's own from its ``plan``) is handed to
     the converter, which reads only the tensors then. ``shard_order``: the daemon's order of the shards. Both are
-    passed to a converter that takes them (:func:`bind`)."""
-    return cache.get_or_convert(
+    passed to a converter that takes them (:func:`bind`).
+
+    ``tier``: asked first for the key (``key``, else ``identity``'s; a pending identity's key is known only once
+    its conversion has read the source: such a request is not asked for, give the tier an identity), and given
+    the entry converted here (``alias``: the repo id and full commit it was asked by, recorded with it).
+    ``entry.outcome`` is ``fetched`` for an entry downloaded from the tier."""
+    wanted = key if key is not None and slot is None else cache_key(identity, recipe) if identity is not None else None
+    if tier is not None and wanted is not None:
+        fetched = tier.fetch(cache, wanted, source=os.fspath(src), progress=progress)
+        if fetched is not None:
+            return fetched
+    entry = cache.get_or_convert(
         src,
         recipe,
         progress=progress,
@@ -133,6 +153,9 @@ def produce(cache: Cache, src: str | os.PathLike[str], recipe: Recipe, *, identi
         expect_files=identity if slot is None and key is not None else None,  # (the files it identified)
         poll_interval=poll_interval,
     )
+    if tier is not None and entry.outcome == "converted":
+        tier.upload(cache, entry, alias=None if alias is None else (*alias, recipe))
+    return entry
 
 
 class _Bound(functools.partial):  # type: ignore[type-arg]
@@ -154,3 +177,154 @@ def bind(converter: Any, **extra: Any) -> Any:
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     given = {name: value for name, value in extra.items() if value is not None and (takes_any or name in params)}
     return _Bound(converter, **given) if given else converter
+
+
+log = logging.getLogger("transformd.remote")
+
+#: What a :class:`Tier` counts (``/v1/cache``'s ``remote``, ``/metrics``'s ``transformd_remote_*_total``).
+TIER_COUNTS = ("hits", "misses", "bytes", "verification_failures", "failures", "uploads", "upload_failures")
+
+
+class Tier:
+    """The remote tier (:class:`transformd.remote.Remote`) as the route uses it: a download published into the
+    local cache as a conversion is (:func:`transformd.cache.fetched.get_or_fetch`), an upload in the background
+    under a lease (the entry cannot be evicted while it is read), and what it did, counted (:data:`TIER_COUNTS`).
+    Its failures are never the request's: each is counted, its cause logged (a cause once at warning, again at
+    debug), and the request converts locally (or answers the local error) as without a tier. Thread-safe."""
+
+    def __init__(self, remote: Remote, *, on_count: Callable[[str, int], None] | None = None):
+        self.remote = remote
+        self.counts = dict.fromkeys(TIER_COUNTS, 0)
+        #: called with ``(name, amount)`` on every count (the daemon's Prometheus counters)
+        self.on_count = on_count
+        self._lock = threading.Lock()
+        self._said: set[str] = set()
+        self._uploads: list[threading.Thread] = []
+
+    @classmethod
+    def from_url(cls, url: str, *, read_only: bool = False) -> Tier:
+        """A tier on ``url`` (``s3://BUCKET[/PREFIX]``, ``file:///PATH``); raises ``RemoteConfigError``."""
+        from .remote import Remote
+
+        return cls(Remote.from_url(url, read_only=read_only))
+
+    @property
+    def read_only(self) -> bool:
+        return bool(self.remote.read_only)
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += amount
+        if self.on_count is not None:
+            self.on_count(name, amount)
+
+    def _failed(self, doing: str, err: BaseException) -> None:
+        """Count a failure and log its cause: at warning the first time, at debug after (a tier that is down would
+        otherwise say so on every request)."""
+        from .remote import RemoteCorruptError
+
+        if isinstance(err, RemoteCorruptError):
+            self._count("verification_failures")
+        self._count("upload_failures" if doing == "upload" else "failures")
+        said = f"{type(err).__name__}: {err}"
+        with self._lock:
+            first = said not in self._said
+            if first and len(self._said) < 1024:
+                self._said.add(said)
+        (log.warning if first else log.debug)("remote tier %s: %s failed (%s); %s", self.remote.url, doing, said,
+                                              "converting locally" if doing == "download" else "the entry stays local")
+
+    def fetch(self, cache: Cache, key: str, *, source: str,
+              progress: Callable[[ConversionStatus], None] | None = None) -> Entry | None:
+        """The entry ``key`` downloaded from the tier into ``cache`` (``outcome`` ``fetched``), or the local one if it
+        appeared meanwhile; None on a miss, a failure of the tier (counted, logged), or when another process of
+        this cache holds the key (it converts or downloads it; the caller's conversion waits for it)."""
+        from .cache.fetched import get_or_fetch
+        from .remote import RemoteError
+
+        def fill(stage: Path, report: Callable[[Any], None]) -> bool:
+            def update(p: Any) -> None:
+                report({"bytes_done": p.bytes_done, "bytes_total": p.bytes_total})
+
+            try:
+                return bool(self.remote.fetch(key, stage, update))
+            except RemoteError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failure of the tier's client is the tier's, never the request's
+                raise RemoteError(f"remote {self.remote.url}: {type(e).__name__}: {str(e)[:300]}") from e
+
+        try:
+            entry = get_or_fetch(cache, key, fill, source=f"{self.remote.url} ({source})", progress=progress)
+        except RemoteError as e:
+            self._failed("download", e)
+            return None
+        if entry is None:
+            self._count("misses")
+        elif entry.outcome == "fetched":
+            self._count("hits")
+            try:
+                self._count("bytes", entry.manifest.total_bytes)
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        return entry
+
+    def fetch_alias(self, cache: Cache, repo_id: str, commit: str, recipe: Recipe, *,
+                    progress: Callable[[ConversionStatus], None] | None = None) -> Entry | None:
+        """The entry that the tier's alias record of ``repo_id`` at full ``commit`` with ``recipe`` names, local
+        already or downloaded (for a node without that snapshot); None when the tier has none or fails."""
+        from .remote import RemoteError
+
+        try:
+            key = self.remote.lookup_alias(repo_id, commit, recipe)
+        except RemoteError as e:
+            self._failed("alias lookup", e)
+            return None
+        if key is None:
+            self._count("misses")
+            return None
+        entry = cache.get(key)
+        if entry is not None:
+            entry.outcome = "hit"
+            return entry
+        return self.fetch(cache, key, source=f"{repo_id}@{commit}", progress=progress)
+
+    def upload(self, cache: Cache, entry: Entry, alias: tuple[str, str, Recipe] | None = None) -> None:
+        """Upload ``entry`` (and its alias record) in a background thread; nothing for a read-only tier."""
+        if self.read_only:
+            return
+        t = threading.Thread(target=self._upload, args=(cache, entry, alias), name=f"transformd-upload-{entry.key}",
+                             daemon=True)
+        with self._lock:
+            self._uploads = [u for u in self._uploads if u.is_alive()] + [t]
+        t.start()
+
+    def _upload(self, cache: Cache, entry: Entry, alias: tuple[str, str, Recipe] | None) -> None:
+        from .remote import RemoteError
+
+        lease = None
+        try:
+            lease = cache.acquire_lease(entry.key, 3600.0, holder="transformd upload")
+            if self.remote.publish(entry.key, entry.root, alias):
+                self._count("uploads")
+        except (RemoteError, CacheError, OSError) as e:
+            self._failed("upload", e)
+        except Exception as e:  # noqa: BLE001 - see fetch
+            self._failed("upload", e)
+        finally:
+            if lease is not None:
+                try:
+                    cache.release_lease(lease)
+                except (CacheError, OSError):
+                    pass
+
+    def wait_uploads(self, timeout: float | None = None) -> bool:
+        """Wait for the uploads started so far (a command that ends after its answer); whether all ended."""
+        with self._lock:
+            uploads = list(self._uploads)
+        for t in uploads:
+            t.join(timeout)
+        return not any(t.is_alive() for t in uploads)
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"url": self.remote.url, "read_only": self.read_only, **self.counts}

@@ -136,6 +136,10 @@ def create_app(
         )
     cache.allowed_roots = policy.roots  # every source file is checked on its open descriptor (cache.securefs)
     metrics = Metrics()
+    tier = None
+    if settings.remote:  # (a malformed URL fails the start, in one line)
+        tier = request.Tier.from_url(settings.remote, read_only=settings.remote_read_only)
+        tier.on_count = metrics.count_remote
     entries = EntryIndex(cache)
     daemon: Daemon
 
@@ -147,6 +151,7 @@ def create_app(
         converter,
         policy,
         metrics,
+        tier=tier,
         max_concurrent=settings.max_concurrent_conversions,
         max_queued=settings.max_queued_conversions,
         on_change=on_change,
@@ -164,7 +169,8 @@ def create_app(
             daemon.device = str(await anyio.to_thread.run_sync(resolve_device, settings.device))
         with contextlib.suppress(Exception):
             await anyio.to_thread.run_sync(daemon.refresh_gauges)
-        log.info("transformd %s: cache %s, allowed roots %s", __version__, cache.root, policy.describe())
+        log.info("transformd %s: cache %s, allowed roots %s%s", __version__, cache.root, policy.describe(),
+                 "" if tier is None else f", remote tier {tier.remote.url}{' (read-only)' if tier.read_only else ''}")
         try:
             yield
         finally:
@@ -307,8 +313,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 real = await _thread(_readable_source, d, source, caller)
             return _json({**passthrough_view(real, reason), **hub})
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
-        async with slot:
-            ident = await service.identify(source, defer=True)
+        async with slot:  # (with a remote tier the key is needed first: the tier is asked by key)
+            ident = await service.identify(source, defer=service.tier is None)
         if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
             answer = await _resolve_while_hashing(ident, source, recipe, caller, body, hub, reason)
             if answer is not None:
@@ -334,7 +340,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         metrics.cache_misses.inc()
         planned = await _admit(caller, key, source, body, recipe, identity=ident)
         d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
-        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident, planned=planned)
+        job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident, planned=planned,
+                                       alias=_alias(hub))
         assert job is not None
         return await _answer(key, job, reason, body.engine, hub)
 
@@ -597,6 +604,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             for j in service.active_jobs()
             if d.is_admin(caller) or d.may_see(j.key, caller)
         ]
+        if service.tier is not None:
+            body["remote"] = service.tier.as_dict()
         return _json(body)
 
     @app.get("/healthz", response_model=HealthModel, summary="Liveness and the daemon's configuration", tags=["daemon"])
@@ -622,6 +631,14 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             with contextlib.suppress(Exception):
                 await anyio.to_thread.run_sync(d.refresh_gauges)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _alias(hub: dict[str, Any]) -> tuple[str, str] | None:
+    """The repo id and full commit a request named (``hub_source``'s answer), recorded with its entry in the tier."""
+    found = hub.get("hub") if hub else None
+    if isinstance(found, dict) and found.get("repo_id") and found.get("commit"):
+        return str(found["repo_id"]), str(found["commit"])
+    return None
 
 
 def _live_leases_of(cache: Cache, uid: int) -> int:

@@ -77,6 +77,8 @@ class Job:
         self.uid: int | None = None
         #: the source's identity when the request came (keys the conversion without reading the source again)
         self.identity: SourceIdentity | None = None
+        #: the repo id and full commit the request named (recorded with the entry in the remote tier)
+        self.alias: tuple[str, str] | None = None
         #: the plan of the source the request read for its engine check (:func:`transformd.request.plan`), for the
         #: job's check and its conversion (the headers are read once per request)
         self.planned: Any = None
@@ -134,7 +136,8 @@ class Job:
             self.staging_dir = status.staging_dir
         if self.slot is not None and self.on_key is not None and status.key != self.slot:
             self._tell_key(status.key)  # the hashing beside the conversion has the key
-        phase = "waiting" if status.waiting else ("publishing" if status.state == "publishing" else "converting")
+        phase = "waiting" if status.waiting else status.state if status.state in ("publishing", "downloading") \
+            else "converting"
         changes: dict[str, Any] = {"phase": phase}
         update = status.progress
         if phase != "publishing" and update is not None:  # publishing reports output bytes hashed, not progress
@@ -191,6 +194,7 @@ class ConversionService:
         policy: SourcePolicy,
         metrics: Metrics,
         *,
+        tier: request.Tier | None = None,
         max_concurrent: int = 1,
         max_queued: int = 16,
         on_change: Callable[[], None] | None = None,
@@ -200,6 +204,8 @@ class ConversionService:
         self.converter = converter
         self.policy = policy
         self.metrics = metrics
+        #: the remote tier (``--remote``), asked before a conversion and given what this daemon converts
+        self.tier = tier
         self.max_concurrent = max(1, max_concurrent)
         self.max_queued = max(0, max_queued)
         self._on_change = on_change
@@ -349,7 +355,7 @@ class ConversionService:
 
     async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None,
                          identity: SourceIdentity | None = None, provisional: bool = False,
-                         planned: Any = None) -> Job | None:
+                         planned: Any = None, alias: tuple[str, str] | None = None) -> Job | None:
         """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
 
         ``identity``: the request's identity of the source (:meth:`identify`), so the conversion does not read
@@ -357,7 +363,7 @@ class ConversionService:
         converts the source while hashing it (:meth:`keyed` waits for the key). It is started only when a worker
         is free for it at once (else None: the caller hashes first, so that its answer does not wait for the
         queue). ``planned``: the plan the request read of the same files (:func:`transformd.request.plan`), if it
-        read one: a new job does not read it again.
+        read one: a new job does not read it again. ``alias``: the repo id and commit the request named.
 
         Raises :class:`ApiError`: 422 invalid checkpoint (for every request waiting on the check), 503 queue
         full or shutting down.
@@ -386,6 +392,7 @@ class ConversionService:
             job.uid = uid
             job.identity = identity
             job.planned = planned
+            job.alias = alias
             if provisional:
                 self._provisional(job)
             self._jobs[key] = job
@@ -487,8 +494,15 @@ class ConversionService:
                 converter=self.converter,
                 progress=job.on_status,
                 poll_interval=POLL_INTERVAL_S,
+                tier=self.tier,
+                alias=job.alias,
             )
-            outcome = {"converted": "converted", "waited": "waited"}.get(entry.outcome, "hit")
+            outcome = {"converted": "converted", "waited": "waited", "fetched": "fetched"}.get(entry.outcome, "hit")
+            if outcome == "fetched":  # downloaded from the remote tier: made for this request as a conversion is
+                log.info("downloaded %s (key %s, %s) from the remote tier: %.1f s", job.source, entry.key,
+                         human_bytes(entry.manifest.total_bytes), time.monotonic() - t0)
+                if self._on_converted is not None:
+                    self._on_converted(entry.key, job.uid)
             if outcome == "converted":
                 self.metrics.conversion_seconds.observe(time.monotonic() - t0)
                 self.metrics.converted_bytes.inc(entry.manifest.total_bytes)

@@ -17,12 +17,19 @@ setting (flag)                         environment variable                     
 ``max_concurrent_conversions``         ``TRANSFORMD_MAX_CONCURRENT_CONVERSIONS``   1
 ``max_queued_conversions``             ``TRANSFORMD_MAX_QUEUED_CONVERSIONS``       16
 ``max_lease_ttl_s``                    ``TRANSFORMD_MAX_LEASE_TTL_S``              7 days
+``remote`` (``--remote``)              ``TRANSFORMD_REMOTE``                       none: no remote tier
+``remote_read_only``                   ``TRANSFORMD_REMOTE_READ_ONLY``             off: uploads what it converts
 ``log_level`` (``--log-level``)        ``TRANSFORMD_LOG_LEVEL``                    ``info``
 =====================================  ==========================================  =============================
 
 Repo ids (``org/Model``, :mod:`transformd.hub`) are looked up in ``hub_cache`` only when it is an allowed
 root: inside an ``--allow-root``, or added by ``--allow-hub-cache``. ``--allow-download`` lets the daemon
 fetch a repo that is not cached (into ``hub_cache``, which must then be writable); without it, it never does.
+
+``remote`` (``s3://BUCKET[/PREFIX]`` or ``file:///PATH``, :mod:`transformd.remote`) is the remote tier many nodes
+share: a request that misses the local cache downloads the entry from it before converting, and an entry this
+daemon converts is uploaded to it in the background (never with ``remote_read_only``). Credentials and endpoint
+come from the standard AWS variables and profiles (:mod:`transformd.request`, ``Tier``).
 
 No environment variable changes what the daemon does beyond these settings: tests that need a slowed or fake
 converter inject it (``create_app(converter=...)``, ``serve(settings, converter=...)``; tests/support/daemon.py).
@@ -117,6 +124,8 @@ class Settings(BaseSettings):
     #: seconds a new connection has to send its first request's headers, and a request its body (else a JSON 408
     #: and close)
     header_timeout_s: float = Field(10.0, gt=0)
+    remote: str | None = Field(None, description="remote tier: s3://BUCKET[/PREFIX] or file:///PATH (none: no tier)")
+    remote_read_only: bool = Field(False, description="only read the remote tier, never upload to it")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     #: seconds the daemon waits for cancelled conversions to clean up when it stops
     shutdown_grace_s: float = Field(10.0, ge=0)

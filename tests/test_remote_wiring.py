@@ -1,0 +1,163 @@
+"""The remote tier in the request's route (transformd.request, ``serve --remote``, ``convert --remote``), against a
+real S3 server on loopback (``rclone serve s3``, tests/support/s3server.py): no mock of S3.
+
+Two daemons with caches of their own are two nodes. The first converts and uploads in the background; the second,
+with an empty cache, downloads the entry instead of converting it (bit-identical), also by a repo id and commit it
+has no snapshot of (the alias record the first wrote). A tier that is down or does not answer costs a bounded wait,
+and the request converts locally; the failure is counted.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from transformd import cli
+from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import Daemons, wait_ready
+from .support.s3server import S3Server, s3_fixture, s3_server_fixture  # noqa: F401 - fixtures
+from .test_hub import add_snapshot
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO_ID = "org/Model"
+COMMIT = "c" * 40
+
+
+def _files(checkpoint: Path) -> dict[str, bytes]:
+    return {p.relative_to(checkpoint).as_posix(): p.read_bytes() for p in sorted(checkpoint.rglob("*")) if p.is_file()}
+
+
+def _resolve(daemon, body: dict) -> dict:
+    with daemon.client() as http:
+        r = http.post("/v1/checkpoints", json=body)
+        assert r.status_code in (200, 202), r.text
+        answer = r.json()
+        return wait_ready(http, answer["key"], timeout=120) if r.status_code == 202 else answer
+
+
+def _remote(daemon) -> dict:
+    with daemon.client() as http:
+        return http.get("/v1/cache").json()["remote"]
+
+
+def _metric(daemon, line_start: str) -> float:
+    with daemon.client() as http:
+        text = http.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+def _uploaded(daemon, n: int = 1, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (remote := _remote(daemon))["uploads"] < n:
+        assert remote["upload_failures"] == 0 and time.monotonic() < deadline, remote
+        time.sleep(0.1)
+    return remote
+
+
+def test_a_second_node_downloads_what_the_first_converted(s3: S3Server, daemons: Daemons, tmp_path: Path) -> None:
+    """Node A converts (its answer comes before the upload ends) and uploads the entry; node B, with a cache of its
+    own, resolves the same content (a copy at another path) and gets A's files from the tier, converting nothing."""
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "a" / "m", layers=1, experts=2, shards=2)
+    copy = write_sample_checkpoint(models / "b" / "m", layers=1, experts=2, shards=2)  # the same bytes elsewhere
+    url = s3.url("second-node")
+    a = daemons.start(cache_dir=tmp_path / "cache-a", allow_roots=[models], remote=url)
+    first = _resolve(a, {"source": str(src), "target": "ocp"})
+    assert first["state"] == "ready"
+    _uploaded(a)
+    b = daemons.start(cache_dir=tmp_path / "cache-b", allow_roots=[models], remote=url)
+    second = _resolve(b, {"source": str(copy), "target": "ocp"})
+    assert second["key"] == first["key"] and second["path"] != first["path"]
+    assert _files(Path(second["path"])) == _files(Path(first["path"])), "bit-identical to the conversion"
+    remote = _remote(b)
+    assert remote["hits"] == 1 and remote["bytes"] > 0 and remote["failures"] == 0, remote
+    assert _metric(b, 'transformd_conversions_total{outcome="converted"}') == 0
+    assert _metric(b, 'transformd_conversions_total{outcome="fetched"}') == 1
+    assert _metric(b, 'transformd_remote_total{event="hits"}') == 1
+    # a third node that may only read the tier downloads too, and uploads nothing it converts
+    c = daemons.start(cache_dir=tmp_path / "cache-c", allow_roots=[models], remote=url, remote_read_only=True)
+    other = write_sample_checkpoint(models / "c" / "m", layers=1, experts=2, shards=1, seed=3)
+    assert _resolve(c, {"source": str(copy), "target": "ocp"})["key"] == first["key"]
+    _resolve(c, {"source": str(other), "target": "ocp"})
+    time.sleep(0.5)
+    remote = _remote(c)
+    assert remote["read_only"] and remote["hits"] == 1 and remote["misses"] == 1 and remote["uploads"] == 0, remote
+
+
+def test_a_node_without_the_snapshot_finds_the_entry_by_repo_id_and_commit(s3: S3Server, daemons: Daemons,
+                                                                             tmp_path: Path, monkeypatch,
+                                                                             capsys) -> None:
+    """Node A converts org/Model at a commit from its hub cache and records the alias with the entry; node B has no
+    snapshot of it (an empty hub cache) and ``convert org/Model --revision COMMIT --remote`` downloads A's entry."""
+    models = tmp_path / "models"
+    add_snapshot(models / "hub", REPO_ID, COMMIT,
+                 write_sample_checkpoint(tmp_path / "work" / "m", layers=1, experts=2, shards=1), ("main",))
+    url = s3.url("alias")
+    a = daemons.start(cache_dir=tmp_path / "cache-a", allow_roots=[models], hub_cache=models / "hub", remote=url)
+    first = _resolve(a, {"source": REPO_ID, "revision": COMMIT, "target": "ocp"})
+    _uploaded(a)
+    (tmp_path / "empty-hub").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    code = cli.main(["convert", REPO_ID, "--revision", COMMIT, "--target", "ocp", "--cache-dir",
+                     str(tmp_path / "cache-b"), "--remote", url, "--no-daemon", "--device", "cpu"])
+    assert code == 0
+    entry = tmp_path / "cache-b" / "entries" / first["key"] / "checkpoint"
+    assert _files(entry) == _files(Path(first["path"]))
+    assert "downloaded from the remote tier" in capsys.readouterr().err
+    # without the tier's record (another commit), the hub's own error is said
+    code = cli.main(["convert", REPO_ID, "--revision", "d" * 40, "--target", "ocp", "--cache-dir",
+                     str(tmp_path / "cache-b"), "--remote", url, "--no-daemon", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code != 0 and "is not in the Hugging Face hub cache" in err, err
+
+
+@pytest.mark.parametrize("how", ["down", "silent"])
+def test_a_tier_down_or_silent_falls_back_to_a_local_conversion(s3: S3Server, daemons: Daemons, tmp_path: Path,
+                                                                how: str) -> None:
+    """The server stopped (connections refused) or stopped answering (SIGSTOP: connections accepted, never
+    answered): the request converts locally after a bounded wait, and the failure is counted."""
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "m", layers=1, experts=2, shards=1)
+    d = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[models], remote=s3.url(f"fallback-{how}"))
+    (s3.stop if how == "down" else s3.pause)()
+    try:
+        t0 = time.monotonic()
+        body = _resolve(d, {"source": str(src), "target": "ocp"})
+        took = time.monotonic() - t0
+    finally:
+        s3.resume()
+        if s3.proc is None:
+            s3.start()
+    assert body["state"] == "ready" and took < 100, took
+    assert _metric(d, 'transformd_conversions_total{outcome="converted"}') == 1
+    remote = _remote(d)
+    assert remote["failures"] == 1 and remote["hits"] == 0, remote
+
+
+def test_a_corrupt_file_in_the_tier_is_never_published_and_the_node_converts(s3: S3Server, daemons: Daemons,
+                                                                             tmp_path: Path) -> None:
+    """A shard of the tier's entry changed in the bucket (same size, other bytes): the second node's download fails
+    its digest check, nothing of it is published, the node converts locally (the same bytes as the first node's)
+    and counts a verification failure."""
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "m", layers=1, experts=2, shards=1)
+    url = s3.url("corrupt")
+    a = daemons.start(cache_dir=tmp_path / "cache-a", allow_roots=[models], remote=url)
+    first = _resolve(a, {"source": str(src), "target": "ocp"})
+    _uploaded(a)
+    (shard,) = Path(first["path"]).glob("*.safetensors")
+    damaged = s3.object_path(f"corrupt/entries/{first['key']}/checkpoint/{shard.name}")
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    b = daemons.start(cache_dir=tmp_path / "cache-b", allow_roots=[models], remote=url)
+    second = _resolve(b, {"source": str(src), "target": "ocp"})
+    assert _files(Path(second["path"])) == _files(Path(first["path"])), "converted here, not the damaged download"
+    remote = _remote(b)
+    assert remote["verification_failures"] == 1 and remote["failures"] == 1 and remote["hits"] == 0, remote
+    assert _metric(b, 'transformd_conversions_total{outcome="converted"}') == 1
+    assert not list((tmp_path / "cache-b" / "staging").iterdir()), "nothing of the download left in staging"
