@@ -161,3 +161,32 @@ def test_a_corrupt_file_in_the_tier_is_never_published_and_the_node_converts(s3:
     assert remote["verification_failures"] == 1 and remote["failures"] == 1 and remote["hits"] == 0, remote
     assert _metric(b, 'transformd_conversions_total{outcome="converted"}') == 1
     assert not list((tmp_path / "cache-b" / "staging").iterdir()), "nothing of the download left in staging"
+
+
+def test_a_download_shows_as_a_conversion_does(tmp_path: Path) -> None:
+    """While a download fills its staging directory, the job's progress (bytes, rate, ETA) and another process's
+    view of the cache's status files say ``downloading``; a miss leaves nothing in staging."""
+    from transformd.cache import Cache, Recipe
+    from transformd.cache.fetched import get_or_fetch
+    from transformd.daemon.service import Job
+    from transformd.daemon.views import foreign_view
+
+    cache = Cache(tmp_path / "cache")
+    key = "0123456789abcdef0123456789abcdef"
+    job = Job(key, tmp_path, Recipe(target="ocp"))
+    job.start()
+    seen: list[dict] = []
+
+    def fill(stage: Path, report) -> bool:
+        for done in (0, 4 << 20, 8 << 20):
+            report({"bytes_done": done, "bytes_total": 16 << 20})
+            time.sleep(0.15)  # (a rate needs 0.2 s of samples)
+        seen.append(foreign_view(cache.status(key)))
+        return False  # a miss
+
+    assert get_or_fetch(cache, key, fill, source="s3://bucket/x (models/m)", progress=job.on_status) is None
+    progress = job.progress.as_dict()
+    assert progress["phase"] == "downloading" and progress["bytes_done"] == 8 << 20, progress
+    assert progress["bytes_total"] == 16 << 20 and progress["eta_s"] is not None, progress
+    assert seen[0]["state"] == "converting" and seen[0]["progress"]["phase"] == "downloading", seen
+    assert not list(cache.staging_dir.iterdir()) and cache.get(key) is None

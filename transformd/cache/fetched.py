@@ -77,6 +77,7 @@ def _fetch_locked(cache: Cache, key: str, fetch: Callable[[Path, Callable[[Any],
     final = cache.entries_dir / key
     try:
         cache._reserve(key, estimate, source, writer)
+        writer.set_state(state)  # (its status file says so at once: another process shows it as downloading)
         stage.mkdir()
         os.chmod(stage, 0o755)  # (as a conversion's: engines of other users enter it)
         if not fetch(stage, writer):
