@@ -190,3 +190,21 @@ def test_a_download_shows_as_a_conversion_does(tmp_path: Path) -> None:
     assert progress["bytes_total"] == 16 << 20 and progress["eta_s"] is not None, progress
     assert seen[0]["state"] == "converting" and seen[0]["progress"]["phase"] == "downloading", seen
     assert not list(cache.staging_dir.iterdir()) and cache.get(key) is None
+
+
+def test_convert_into_the_cache_downloads_or_uploads_through_the_tier(s3: S3Server, tmp_path: Path, capsys) -> None:
+    """``convert --cache-dir --remote``: a first node's conversion is in the tier when the command has ended (it
+    printed DIR first); a second node (another cache) downloads it, bit-identical, converting nothing."""
+    from transformd.remote import Remote
+
+    src = write_sample_checkpoint(tmp_path / "models" / "m", layers=1, experts=2, shards=2)
+    url = s3.url("cli")
+    argv = ["convert", str(src), "--target", "ocp", "--remote", url, "--no-daemon", "--device", "cpu"]
+    assert cli.main([*argv, "--cache-dir", str(tmp_path / "cache-a")]) == 0
+    first = Path(capsys.readouterr().out.splitlines()[-1])
+    assert Remote.from_url(url).has(first.parent.name), "uploaded before the command ended"
+    assert cli.main([*argv, "--cache-dir", str(tmp_path / "cache-b")]) == 0
+    out, err = capsys.readouterr()
+    second = Path(out.splitlines()[-1])
+    assert "downloaded from the remote tier" in err.splitlines()[-1], err
+    assert second != first and _files(second) == _files(first)
