@@ -242,7 +242,11 @@ class Tier:
         from .cache.fetched import get_or_fetch
         from .remote import RemoteError
 
+        asked: list[bool] = []
+
         def fill(stage: Path, report: Callable[[Any], None]) -> bool:
+            asked.append(True)
+
             def update(p: Any) -> None:
                 report({"bytes_done": p.bytes_done, "bytes_total": p.bytes_total})
 
@@ -259,7 +263,8 @@ class Tier:
             self._failed("download", e)
             return None
         if entry is None:
-            self._count("misses")
+            if asked:  # (not asked: another process of this cache converts or downloads it)
+                self._count("misses")
         elif entry.outcome == "fetched":
             self._count("hits")
             try:
