@@ -115,27 +115,36 @@ def test_a_node_without_the_snapshot_finds_the_entry_by_repo_id_and_commit(s3: S
     assert code != 0 and "is not in the Hugging Face hub cache" in err, err
 
 
-@pytest.mark.parametrize("how", ["down", "silent"])
-def test_a_tier_down_or_silent_falls_back_to_a_local_conversion(s3: S3Server, daemons: Daemons, tmp_path: Path,
-                                                                how: str) -> None:
-    """The server stopped (connections refused) or stopped answering (SIGSTOP: connections accepted, never
-    answered): the request converts locally after a bounded wait, and the failure is counted."""
+@pytest.mark.parametrize("how", ["down", "silent", "denied"])
+def test_a_tier_down_silent_or_denied_falls_back_to_a_local_conversion(s3: S3Server, daemons: Daemons,
+                                                                       tmp_path: Path, monkeypatch, caplog,
+                                                                       how: str) -> None:
+    """The server stopped (connections refused), stopped answering (SIGSTOP: connections accepted, never answered),
+    or refusing this node's credentials: the request converts locally after a bounded wait, the failure is counted,
+    and its cause is one log line, said once for the two requests (without the secret)."""
     models = tmp_path / "models"
-    src = write_sample_checkpoint(models / "m", layers=1, experts=2, shards=1)
+    sources = [write_sample_checkpoint(models / f"m{i}", layers=1, experts=2, shards=1, seed=i) for i in range(2)]
+    if how == "denied":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-" + s3.secret_key)
     d = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[models], remote=s3.url(f"fallback-{how}"))
-    (s3.stop if how == "down" else s3.pause)()
+    if how != "denied":
+        (s3.stop if how == "down" else s3.pause)()
+    caplog.set_level("DEBUG", logger="transformd.remote")
     try:
         t0 = time.monotonic()
-        body = _resolve(d, {"source": str(src), "target": "ocp"})
+        bodies = [_resolve(d, {"source": str(src), "target": "ocp"}) for src in sources]
         took = time.monotonic() - t0
     finally:
         s3.resume()
         if s3.proc is None:
             s3.start()
-    assert body["state"] == "ready" and took < 100, took
-    assert _metric(d, 'transformd_conversions_total{outcome="converted"}') == 1
+    assert [b["state"] for b in bodies] == ["ready"] * 2 and took < 200, took
+    assert _metric(d, 'transformd_conversions_total{outcome="converted"}') == 2
     remote = _remote(d)
-    assert remote["failures"] == 1 and remote["hits"] == 0, remote
+    assert remote["failures"] == 2 and remote["hits"] == 0, remote
+    said = [r for r in caplog.records if r.name == "transformd.remote" and "download failed" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING", "DEBUG"], [(r.levelname, r.getMessage()) for r in said]
+    assert "\n" not in said[0].getMessage() and s3.secret_key not in caplog.text
 
 
 def test_a_corrupt_file_in_the_tier_is_never_published_and_the_node_converts(s3: S3Server, daemons: Daemons,

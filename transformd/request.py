@@ -198,7 +198,7 @@ class Tier:
         #: called with ``(name, amount)`` on every count (the daemon's Prometheus counters)
         self.on_count = on_count
         self._lock = threading.Lock()
-        self._said: set[str] = set()
+        self._said: set[tuple[str, str]] = set()  #: kinds of failure logged since the tier last worked
         self._uploads: list[threading.Thread] = []
 
     @classmethod
@@ -219,8 +219,9 @@ class Tier:
             self.on_count(name, amount)
 
     def _failed(self, doing: str, err: BaseException) -> None:
-        """Count a failure and log its cause: at warning the first time, at debug after (a tier that is down would
-        otherwise say so on every request)."""
+        """Count a failure and log its cause: at warning the first time this kind of failure (what was done, the
+        error's class) comes since the tier last worked, at debug after (a tier that is down would otherwise say
+        so on every request)."""
         from .remote import RemoteCorruptError
 
         if isinstance(err, RemoteCorruptError):
@@ -228,11 +229,14 @@ class Tier:
         self._count("upload_failures" if doing == "upload" else "failures")
         said = f"{type(err).__name__}: {err}"
         with self._lock:
-            first = said not in self._said
-            if first and len(self._said) < 1024:
-                self._said.add(said)
+            first = (doing, type(err).__name__) not in self._said
+            self._said.add((doing, type(err).__name__))
         (log.warning if first else log.debug)("remote tier %s: %s failed (%s); %s", self.remote.url, doing, said,
                                               "converting locally" if doing == "download" else "the entry stays local")
+
+    def _worked(self) -> None:
+        with self._lock:
+            self._said.clear()
 
     def fetch(self, cache: Cache, key: str, *, source: str,
               progress: Callable[[ConversionStatus], None] | None = None) -> Entry | None:
@@ -251,7 +255,9 @@ class Tier:
                 report({"bytes_done": p.bytes_done, "bytes_total": p.bytes_total})
 
             try:
-                return bool(self.remote.fetch(key, stage, update))
+                found = bool(self.remote.fetch(key, stage, update))
+                self._worked()
+                return found
             except RemoteError:
                 raise
             except Exception as e:  # noqa: BLE001 - a failure of the tier's client is the tier's, never the request's
@@ -311,6 +317,7 @@ class Tier:
             lease = cache.acquire_lease(entry.key, 3600.0, holder="transformd upload")
             if self.remote.publish(entry.key, entry.root, alias):
                 self._count("uploads")
+            self._worked()
         except (RemoteError, CacheError, OSError) as e:
             self._failed("upload", e)
         except Exception as e:  # noqa: BLE001 - see fetch
