@@ -107,7 +107,9 @@ def _make_entry(tmp: Path, mib: int, shards: int):
                 f.write(os.urandom(n))
                 left -= n
     (src / "config.json").write_text('{"model_type": "bench"}')
-    return Cache(tmp / "node1", converter=CopyConverter()).get_or_convert(src)
+    entry = Cache(tmp / "node1", converter=CopyConverter()).get_or_convert(src)
+    shutil.rmtree(src)  # (the disk holds the entry, the server's copy and one download at a time)
+    return entry
 
 
 def main() -> None:
@@ -148,13 +150,17 @@ def main() -> None:
                     "upload: rclone copy": [server.binary, "copy", str(entry.path),
                                             f":s3:{server.bucket}/rclone{i}", "--transfers", "8"],
                 }
+                outputs = {"download: tier fetch (checked)": down / "entries", "download: plain obstore": down / "plain",
+                           "download: plain obstore, fsync": down / "plainsync", "download: rclone copy": down / "rclone",
+                           "upload: tier publish": server.object_path(f"up{i}"),
+                           "upload: plain obstore": server.object_path(f"plain{i}"),
+                           "upload: rclone copy": server.object_path(f"rclone{i}")}
                 for name, cmd in runs.items():
                     times.setdefault(name, []).append(_timed(cmd, rclone_env if cmd[0] == server.binary else env))
-                for sub in ("entries", "plain", "plainsync", "rclone"):
-                    got = down / sub
-                    files = {p.name: p.stat().st_size for p in got.rglob("*") if p.is_file()}
-                    assert sum(files.values()) >= nbytes, (sub, files)
-                subprocess.run(["chmod", "-R", "u+w", str(tmp)], check=False)
+                    got = outputs[name]  # all there, then removed (a large run would not fit the disk otherwise)
+                    assert sum(p.stat().st_size for p in got.rglob("*") if p.is_file()) >= nbytes, name
+                    subprocess.run(["chmod", "-R", "u+w", str(got)], check=False)
+                    shutil.rmtree(got)
                 shutil.rmtree(down, ignore_errors=True)
     print(f"\n{nbytes / 2**20:.0f} MiB in {len(entry.manifest.files)} files, rclone serve s3 on loopback; median of "
           f"{args.repeat} whole processes, interleaved\n")
