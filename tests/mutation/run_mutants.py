@@ -9,7 +9,8 @@ fail and *survives* when they pass; a survivor is either a hole in the tests or 
 (``cache/securefs.py``, ``daemon/paths.py``) and the publish paths (``_durable.py``, ``checkpoint/convert.py``,
 ``cache/store.py`` seal/publish, ``cache/seal.py``, ``cache/manifest.py``, ``safetensors_io.py``'s writer) and
 converting while hashing (``cache/alongside.py``, and the daemon's first resolve in ``daemon/app.py`` and
-``daemon/service.py``).
+``daemon/service.py``), and the remote tier's checks of what it fetches (``remote/fetch.py``, ``remote/names.py``,
+``remote/publish.py``).
 
 The GPU-only mutants (the PTX kernel, the ptx/portable choice) can only be caught on CPU by
 tests/test_gpu_record.py's digest check. When the copy has no tests/gpu/last_run.json, the runner writes one that
@@ -54,6 +55,7 @@ SWAP_TESTS = ["tests/test_trust_callers.py", "-k", "swapped"]
 NAMESPACE_TESTS = ["tests/test_cache_keys.py", "-k", "namespace"]
 TRICKLE_TESTS = ["tests/test_trust_freezes.py", "-k", "trickling"]
 WALK_TESTS = ["tests/test_trust_callers.py", "-k", "cannot_search"]
+REMOTE_TESTS = ["tests/test_remote.py"]
 
 
 @dataclass(frozen=True)
@@ -303,6 +305,17 @@ MUTANTS: list[Mutant] = [
       "        ident = await service.identify(source, defer=True)\n",
       "        ident = await service.identify(source)\n",
       DAEMON_ALONGSIDE_TESTS),
+    # -- the remote tier: what is fetched from a bucket is checked before it is kept -------------------------------
+    m("remote-digest-unchecked", "transformd/remote/fetch.py", "        if digest != rec.digest:",
+      "        if False:", REMOTE_TESTS),
+    m("remote-size-unchecked", "transformd/remote/fetch.py", "        if size != rec.size:", "        if False:",
+      REMOTE_TESTS),
+    m("remote-names-unchecked", "transformd/remote/names.py", "        why = _name_problem(name)\n",
+      "        why = None\n", REMOTE_TESTS),
+    m("remote-manifest-before-files", "transformd/remote/publish.py", "    largest_first = sorted(",
+      "    store.write_bytes(names.manifest_name(key), raw, create=True)\n    largest_first = sorted(", REMOTE_TESTS),
+    m("remote-failure-keeps-files", "transformd/remote/fetch.py", "    except BaseException:\n        rmtree_force(out)",
+      "    except BaseException:\n        pass", REMOTE_TESTS),
 ]
 
 

@@ -5,7 +5,8 @@
 ranges of :data:`RANGE_BYTES` written in place (``pwrite``) by :data:`STREAMS` threads, a small one (or every file
 of a server that cannot answer ranges) as one stream. Each file is hashed (BLAKE3, as :meth:`Cache._seal
 <transformd.cache.store.Cache._seal>` did where it was converted) as soon as its last byte is written, while the
-others download, and compared with the manifest's size and digest. The staging directory then holds
+others download (a file read as one stream is hashed as its bytes arrive), and compared with the manifest's size
+and digest. The staging directory then holds
 ``checkpoint/`` and ``manifest.json`` exactly as a sealed local entry (read-only files, fsynced), for the cache's
 one-rename publish; on any failure everything written into it is removed before the error is raised.
 """
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+
+import blake3
 
 from .._durable import fsync_path, rmtree_force
 from ..cache.keys import FileRecord, hash_own_file, validate_key
@@ -136,6 +139,7 @@ class _Download:
     def _whole(self, rec: FileRecord) -> None:
         obj = names.file_name(self.manifest.key, rec.name)
         fd, offset = self.fds[rec.name], 0
+        h = blake3.blake3()  # hashed as it arrives: no second read of the file
         for chunk in self.store.read_stream(obj):
             if self.stop.is_set():
                 return
@@ -143,11 +147,13 @@ class _Download:
                 raise RemoteCorruptError(f"remote {self.store.url}: {obj} is larger than the {rec.size} bytes its "
                                          "manifest says")
             _pwrite_all(fd, chunk, offset)
+            h.update(chunk)
             offset += len(chunk)
             self._advance(len(chunk))
-        self._check(rec)
+        self._check(rec, "blake3:" + h.hexdigest())
 
-    def _check(self, rec: FileRecord) -> None:
+    def _check(self, rec: FileRecord, digest: str | None = None) -> None:
+        """Check the file's size and digest (``digest``: taken as it was written, else read from the file)."""
         obj = names.file_name(self.manifest.key, rec.name)
         fd = self.fds[rec.name]
         size = os.fstat(fd).st_size
@@ -155,7 +161,8 @@ class _Download:
             raise RemoteCorruptError(f"remote {self.store.url}: {obj} is {size} bytes, its manifest says {rec.size} "
                                      "(truncated or replaced); nothing was kept")
         os.fsync(fd)
-        digest = hash_own_file(self.out / rec.name)
+        if digest is None:
+            digest = hash_own_file(self.out / rec.name)
         if digest != rec.digest:
             raise RemoteCorruptError(f"remote {self.store.url}: {obj}: content digest {digest} differs from the "
                                      f"manifest's {rec.digest}; nothing was kept")
