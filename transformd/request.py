@@ -5,7 +5,8 @@
    why; None when nothing is to be converted (native MX instructions: the engine loads the source itself). With
    the scale mode and the selection it makes the request's :class:`~transformd.cache.Recipe`.
 2. **source** (:func:`identify`): the source's content identity, or, for a large source new to the cache, a
-   :class:`~transformd.cache.PendingIdentity` (its conversion hashes it as it reads it, once).
+   :class:`~transformd.cache.PendingIdentity` (its conversion hashes it as it reads it, once); never with a remote
+   tier, which is asked by key (so a large source new to the node is read once to key it, then converted).
 3. **look up** (:func:`find`): the local entry of that identity and recipe, if there is one (nothing converts).
 4. **plan and check** (:func:`plan`, :func:`check_engine`): the checkpoint's headers, read once through checked
    descriptors of the files the request identified; with an engine named, what it could not load is refused
@@ -17,7 +18,8 @@
    the upload). Any failure of the tier is logged once, counted, and the request goes on as without a tier.
 
 A node with a repo id and a full commit but no snapshot of it asks the tier by its alias record
-(:meth:`Tier.fetch_alias`) instead of steps 2-5.
+(:meth:`Tier.fetch_alias`) instead of steps 2-5 (``transformd convert``; the daemon answers such a request with
+the hub's 404 as before).
 
 A hub repo id is turned into its snapshot's path before step 1 (:mod:`transformd.hub`; the daemon also checks
 that its caller may read it). The CLI (:mod:`transformd.cli.convert`) runs the steps one after the other, with
@@ -46,9 +48,9 @@ from .errors import CacheError
 
 if TYPE_CHECKING:
     from .cache.securefs import AccessFacts
-    from .remote import Remote
     from .checkpoint.plan import ConversionPlan
     from .engines import EngineReadiness
+    from .remote import Remote
 
 __all__ = ["Tier", "bind", "check_engine", "find", "identify", "plan", "produce", "readiness", "recorded_readiness"]
 
