@@ -121,7 +121,8 @@ def test_a_tier_down_silent_or_denied_falls_back_to_a_local_conversion(s3: S3Ser
                                                                        how: str) -> None:
     """The server stopped (connections refused), stopped answering (SIGSTOP: connections accepted, never answered),
     or refusing this node's credentials: the request converts locally after a bounded wait, the failure is counted,
-    and its cause is one log line, said once for the two requests (without the secret)."""
+    and its cause is one log line, said once for the two requests (without the secret). After a tier that did not
+    answer, the next request is not made to wait for it again (the tier is held off for a while)."""
     models = tmp_path / "models"
     sources = [write_sample_checkpoint(models / f"m{i}", layers=1, experts=2, shards=1, seed=i) for i in range(2)]
     if how == "denied":
@@ -130,20 +131,25 @@ def test_a_tier_down_silent_or_denied_falls_back_to_a_local_conversion(s3: S3Ser
     if how != "denied":
         (s3.stop if how == "down" else s3.pause)()
     caplog.set_level("DEBUG", logger="transformd.remote")
+    took, bodies = [], []
     try:
-        t0 = time.monotonic()
-        bodies = [_resolve(d, {"source": str(src), "target": "ocp"}) for src in sources]
-        took = time.monotonic() - t0
+        for src in sources:
+            t0 = time.monotonic()
+            bodies.append(_resolve(d, {"source": str(src), "target": "ocp"}))
+            took.append(time.monotonic() - t0)
     finally:
         s3.resume()
         if s3.proc is None:
             s3.start()
-    assert [b["state"] for b in bodies] == ["ready"] * 2 and took < 200, took
+    assert [b["state"] for b in bodies] == ["ready"] * 2 and took[0] < 100, took
+    if how != "denied":  # (a denial is an answer: asked again, said once)
+        assert took[1] < 20, took
     assert _metric(d, 'transformd_conversions_total{outcome="converted"}') == 2
     remote = _remote(d)
     assert remote["failures"] == 2 and remote["hits"] == 0, remote
     said = [r for r in caplog.records if r.name == "transformd.remote" and "download failed" in r.getMessage()]
-    assert [r.levelname for r in said] == ["WARNING", "DEBUG"], [(r.levelname, r.getMessage()) for r in said]
+    levels = ["WARNING", "DEBUG"] if how == "denied" else ["WARNING"]
+    assert [r.levelname for r in said] == levels, [(r.levelname, r.getMessage()) for r in said]
     assert "\n" not in said[0].getMessage() and s3.secret_key not in caplog.text
 
 

@@ -38,6 +38,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -183,6 +184,9 @@ def bind(converter: Any, **extra: Any) -> Any:
 
 log = logging.getLogger("transformd.remote")
 
+#: Seconds a tier that did not answer (unreachable, or silent past its timeouts) is not asked again for downloads:
+#: the requests meanwhile convert at once instead of each waiting the timeouts out.
+HOLD_OFF_S = 60.0
 #: What a :class:`Tier` counts (``/v1/cache``'s ``remote``, ``/metrics``'s ``transformd_remote_*_total``).
 TIER_COUNTS = ("hits", "misses", "bytes", "verification_failures", "failures", "uploads", "upload_failures")
 
@@ -192,7 +196,9 @@ class Tier:
     local cache as a conversion is (:func:`transformd.cache.fetched.get_or_fetch`), an upload in the background
     under a lease (the entry cannot be evicted while it is read), and what it did, counted (:data:`TIER_COUNTS`).
     Its failures are never the request's: each is counted, its cause logged (a cause once at warning, again at
-    debug), and the request converts locally (or answers the local error) as without a tier. Thread-safe."""
+    debug), and the request converts locally (or answers the local error) as without a tier; after a tier that did
+    not answer, downloads are not tried for :data:`HOLD_OFF_S` (uploads still are, in the background).
+    Thread-safe."""
 
     def __init__(self, remote: Remote, *, on_count: Callable[[str, int], None] | None = None):
         self.remote = remote
@@ -202,6 +208,7 @@ class Tier:
         self._lock = threading.Lock()
         self._said: set[tuple[str, str]] = set()  #: kinds of failure logged since the tier last worked
         self._uploads: list[threading.Thread] = []
+        self._held_until = 0.0  #: (time.monotonic) no download is tried before this, after an unanswered one
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False) -> Tier:
@@ -224,10 +231,13 @@ class Tier:
         """Count a failure and log its cause: at warning the first time this kind of failure (what was done, the
         error's class) comes since the tier last worked, at debug after (a tier that is down would otherwise say
         so on every request)."""
-        from .remote import RemoteCorruptError
+        from .remote import RemoteCorruptError, RemoteUnavailableError
 
         if isinstance(err, RemoteCorruptError):
             self._count("verification_failures")
+        if isinstance(err, RemoteUnavailableError) and doing != "upload":
+            with self._lock:
+                self._held_until = time.monotonic() + HOLD_OFF_S
         self._count("upload_failures" if doing == "upload" else "failures")
         said = f"{type(err).__name__}: {err}"
         with self._lock:
@@ -248,6 +258,11 @@ class Tier:
         from .cache.fetched import get_or_fetch
         from .remote import RemoteError
 
+        if time.monotonic() < self._held_until:  # (it did not answer moments ago: not waited for again)
+            self._count("failures")
+            log.debug("remote tier %s: not asked for %s (it did not answer within the last %.0f s); converting "
+                      "locally", self.remote.url, key, HOLD_OFF_S)
+            return None
         asked: list[bool] = []
 
         def fill(stage: Path, report: Callable[[Any], None]) -> bool:
