@@ -108,6 +108,17 @@ def test_a_node_without_the_snapshot_finds_the_entry_by_repo_id_and_commit(s3: S
     entry = tmp_path / "cache-b" / "entries" / first["key"] / "checkpoint"
     assert _files(entry) == _files(Path(first["path"]))
     assert "downloaded from the remote tier" in capsys.readouterr().err
+    # a daemon with an empty hub cache (its callers may search it) answers the same request from the tier
+    (tmp_path / "models-b" / "hub").mkdir(parents=True)
+    b = daemons.start(cache_dir=tmp_path / "cache-c", allow_roots=[tmp_path / "models-b"],
+                      hub_cache=tmp_path / "models-b" / "hub", remote=url)
+    served = _resolve(b, {"source": REPO_ID, "revision": COMMIT, "target": "ocp"})
+    assert served["key"] == first["key"] and _files(Path(served["path"])) == _files(Path(first["path"]))
+    assert _remote(b)["hits"] == 1 and _metric(b, 'transformd_conversions_total{outcome="fetched"}') == 1
+    with b.client() as http:  # its files are served to the caller who asked; an unknown commit is the hub's 404
+        assert http.get(f"/v1/checkpoints/{first['key']}/files").status_code == 200
+        r = http.post("/v1/checkpoints", json={"source": REPO_ID, "revision": "e" * 40, "target": "ocp"})
+    assert r.status_code == 404 and r.json()["error"]["code"] in ("repo_not_cached", "revision_not_cached"), r.text
     # without the tier's record (another commit), the hub's own error is said
     code = cli.main(["convert", REPO_ID, "--revision", "d" * 40, "--target", "ocp", "--cache-dir",
                      str(tmp_path / "cache-b"), "--remote", url, "--no-daemon", "--device", "cpu"])

@@ -211,11 +211,12 @@ class Tier:
         self._held_until = 0.0  #: (time.monotonic) no download is tried before this, after an unanswered one
 
     @classmethod
-    def from_url(cls, url: str, *, read_only: bool = False) -> Tier:
+    def from_url(cls, url: str, *, read_only: bool = False,
+                 on_count: Callable[[str, int], None] | None = None) -> Tier:
         """A tier on ``url`` (``s3://BUCKET[/PREFIX]``, ``file:///PATH``); raises ``RemoteConfigError``."""
         from .remote import Remote
 
-        return cls(Remote.from_url(url, read_only=read_only))
+        return cls(Remote.from_url(url, read_only=read_only), on_count=on_count)
 
     @property
     def read_only(self) -> bool:
@@ -300,6 +301,18 @@ class Tier:
                     progress: Callable[[ConversionStatus], None] | None = None) -> Entry | None:
         """The entry that the tier's alias record of ``repo_id`` at full ``commit`` with ``recipe`` names, local
         already or downloaded (for a node without that snapshot); None when the tier has none or fails."""
+        key = self.alias_key(repo_id, commit, recipe)
+        if key is None:
+            return None
+        entry = cache.get(key)
+        if entry is not None:
+            entry.outcome = "hit"
+            return entry
+        return self.fetch(cache, key, source=f"{repo_id}@{commit}", progress=progress)
+
+    def alias_key(self, repo_id: str, commit: str, recipe: Recipe) -> str | None:
+        """The key the tier's alias record of ``repo_id`` at full ``commit`` with ``recipe`` names; None when it has
+        none (a miss) or fails (counted, logged)."""
         from .remote import RemoteError
 
         try:
@@ -309,12 +322,7 @@ class Tier:
             return None
         if key is None:
             self._count("misses")
-            return None
-        entry = cache.get(key)
-        if entry is not None:
-            entry.outcome = "hit"
-            return entry
-        return self.fetch(cache, key, source=f"{repo_id}@{commit}", progress=progress)
+        return key
 
     def upload(self, cache: Cache, entry: Entry, alias: tuple[str, str, Recipe] | None = None) -> None:
         """Upload ``entry`` (and its alias record) in a background thread; nothing for a read-only tier."""

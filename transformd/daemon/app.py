@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
@@ -30,7 +31,7 @@ from ..platform import detect_platform
 from .docs import install_docs
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
-from .hub_sources import hub_source, remember_hub, with_hub
+from .hub_sources import alias_of, hub_source, remember_hub, with_hub
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
@@ -136,10 +137,8 @@ def create_app(
         )
     cache.allowed_roots = policy.roots  # every source file is checked on its open descriptor (cache.securefs)
     metrics = Metrics()
-    tier = None
-    if settings.remote:  # (a malformed URL fails the start, in one line)
-        tier = request.Tier.from_url(settings.remote, read_only=settings.remote_read_only)
-        tier.on_count = metrics.count_remote
+    tier = None if not settings.remote else request.Tier.from_url(  # (a malformed URL fails the start, in one line)
+        settings.remote, read_only=settings.remote_read_only, on_count=metrics.count_remote)
     entries = EntryIndex(cache)
     daemon: Daemon
 
@@ -222,10 +221,9 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
 
 def _plan_readiness(d: Daemon, source: str, recipe: Recipe, caller: Caller, *, identity: SourceIdentity | None,
                     slot: str | None) -> tuple[Any, dict[str, Any]]:
-    """Blocking: the plan of ``source`` (:func:`transformd.request.plan`: headers only, read through checked
-    descriptors of the files the request identified, by ``identity`` or ``slot``) and the readiness of the output
-    a conversion would write; 403 unless ``caller`` could read the files opened now (the path may name others by
-    then)."""
+    """Blocking: the plan of ``source`` (:func:`transformd.request.plan`: headers only, the files the request
+    identified, by ``identity`` or ``slot``) and the readiness of the output a conversion would write; 403 unless
+    ``caller`` could read the files opened now (the path may name others by then)."""
 
     def allow(facts: Any) -> None:
         missing = denied(caller, facts)
@@ -303,8 +301,11 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         caller = d.caller(request)
         slot = d.source_slot(caller)  # held for the work on the source: a caller takes a few source threads at most
         target, reason = choose_target(body.target, body.engine, d.platform)
-        async with slot:
-            hub = await hub_source(d, body.source, body.revision, caller)  # {} for a path; else its snapshot
+        recipe = None if target is None else Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
+        async with slot:  # {} for a path; else its snapshot, or (not here) the entry a tier's alias record names
+            hub, aliased = await hub_source(d, body.source, body.revision, caller, recipe=recipe)
+        if aliased is not None:
+            return await _by_alias(*aliased, recipe, caller, body, reason)
         source = d.policy.check_syntax(hub["hub"]["snapshot"] if hub else body.source)
         if (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:
             raise unreadable(caller, source, missing)  # (before anything of it is looked at: no 404, 422 or 507 said)
@@ -312,7 +313,6 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             async with slot:
                 real = await _thread(_readable_source, d, source, caller)
             return _json({**passthrough_view(real, reason), **hub})
-        recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select)
         async with slot:  # (with a remote tier the key is needed first: the tier is asked by key)
             ident = await service.identify(source, defer=service.tier is None)
         if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
@@ -341,7 +341,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         planned = await _admit(caller, key, source, body, recipe, identity=ident)
         d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
         job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident, planned=planned,
-                                       alias=_alias(hub))
+                                       alias=alias_of(hub))
         assert job is not None
         return await _answer(key, job, reason, body.engine, hub)
 
@@ -367,6 +367,21 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             metrics.cache_hits.inc()
         else:
             metrics.cache_misses.inc()
+        return await _answer(key, job, reason, body.engine, hub)
+
+    async def _by_alias(key: str, hub: dict[str, Any], recipe: Recipe, caller: Caller, body: CheckpointRequest,
+                        reason: str | None) -> Response:
+        """POST's answer for a repo id and commit the tier's alias record names: the entry, or a job downloading it."""
+        remember_hub(d, key, hub)
+        if (info := await _thread(entries.info, key, touch=True)) is not None:
+            metrics.cache_hits.inc()
+            d.grant(key, caller)
+            return await _ready(info, service.job(key), reason, body.engine, hub)
+        metrics.cache_misses.inc()
+        await _admit(caller, key, "", body.model_copy(update={"engine": None}), recipe)  # (its queue limit)
+        d.grant(key, caller)
+        job = await service.ensure_job(key, Path(f"{body.source}@{body.revision}"), recipe, uid=caller.uid,
+                                       alias=(body.source, str(body.revision)), fetch_only=True)
         return await _answer(key, job, reason, body.engine, hub)
 
     async def _admit(caller: Caller, key: str, source: str, body: CheckpointRequest, recipe: Recipe, *,
@@ -631,14 +646,6 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             with contextlib.suppress(Exception):
                 await anyio.to_thread.run_sync(d.refresh_gauges)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-
-def _alias(hub: dict[str, Any]) -> tuple[str, str] | None:
-    """The repo id and full commit a request named (``hub_source``'s answer), recorded with its entry in the tier."""
-    found = hub.get("hub") if hub else None
-    if isinstance(found, dict) and found.get("repo_id") and found.get("commit"):
-        return str(found["repo_id"]), str(found["commit"])
-    return None
 
 
 def _live_leases_of(cache: Cache, uid: int) -> int:

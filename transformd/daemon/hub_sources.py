@@ -4,6 +4,7 @@ cache itself), and which repo id each key was asked for by (its ``/files`` says 
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -14,13 +15,17 @@ from .peers import Caller, path_denied, unreadable
 if TYPE_CHECKING:
     from .state import Daemon
 
+_FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
 
-async def hub_source(d: Daemon, source: str, revision: str | None, caller: Caller) -> dict[str, Any]:
-    """``{"hub": {repo_id, revision, commit, snapshot}}`` when ``source`` is a repo id (looked up in a source
+
+async def hub_source(d: Daemon, source: str, revision: str | None, caller: Caller, *, recipe: Any = None
+                     ) -> tuple[dict[str, Any], tuple[str, dict[str, Any]] | None]:
+    """``({"hub": {repo_id, revision, commit, snapshot}}, None)`` when ``source`` is a repo id (looked up in a source
     thread: 400 malformed, 403 hub cache not an allowed root or not one the caller may search, 404 not cached);
-    ``{}`` for a path."""
+    ``({}, None)`` for a path. With a remote tier and ``recipe``, a repo id at a full commit that is not cached
+    here gives ``(hub, (key, hub))`` when the tier's alias record names its entry (:func:`hub_alias`)."""
     if d.hub is None or not d.hub.wants(source, revision):
-        return {}
+        return {}, None
     hub = d.hub
 
     def look_up() -> Any:  # (what the hub cache holds is told only to a caller who could search it)
@@ -33,8 +38,37 @@ async def hub_source(d: Daemon, source: str, revision: str | None, caller: Calle
     except ApiError:
         raise
     except Exception as e:
-        raise error_for_exception(e) from e
-    return {"hub": found.as_dict()}
+        err = error_for_exception(e)
+        if (aliased := await hub_alias(d, source, revision, recipe, err)) is None:
+            raise err from e
+        return aliased[1], aliased
+    return {"hub": found.as_dict()}, None
+
+
+async def hub_alias(d: Daemon, source: str, revision: str | None, recipe: Any, error: ApiError
+                    ) -> tuple[str, dict[str, Any]] | None:
+    """With a remote tier, a repo id at a full commit that the hub cache does not hold (``error``: hub_source's 404,
+    so the caller may search the hub cache): the key of the tier's alias record and the answer's ``hub`` (no
+    snapshot); None otherwise (the caller raises ``error``)."""
+    from ..hub import is_repo_id
+
+    tier = d.service.tier
+    if (tier is None or recipe is None or error.status != 404 or revision is None
+            or not _FULL_COMMIT.fullmatch(revision) or not is_repo_id(source, paths_exist=False)):
+        return None
+    key = await anyio.to_thread.run_sync(tier.alias_key, source, revision, recipe,
+                                         limiter=d.service.source_limiter())
+    if key is None:
+        return None
+    return key, {"hub": {"repo_id": source, "revision": revision, "commit": revision, "snapshot": None}}
+
+
+def alias_of(hub: dict[str, Any]) -> tuple[str, str] | None:
+    """The repo id and full commit a request named (``hub_source``'s answer), recorded with its entry in the tier."""
+    found = hub.get("hub") if hub else None
+    if isinstance(found, dict) and found.get("repo_id") and found.get("commit"):
+        return str(found["repo_id"]), str(found["commit"])
+    return None
 
 
 def remember_hub(d: Daemon, key: str, hub: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import anyio.to_thread
 
 from .. import request
-from ..cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
+from ..cache import Cache, CacheError, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
 from ..cache.keys import check_as_requested
 from ..progress import COUNTERS, Eta, Progress, human_bytes
 from .errors import ApiError, error_for_exception
@@ -79,6 +79,9 @@ class Job:
         self.identity: SourceIdentity | None = None
         #: the repo id and full commit the request named (recorded with the entry in the remote tier)
         self.alias: tuple[str, str] | None = None
+        #: a job that only downloads ``key`` from the remote tier (a repo id and commit with no snapshot here: its
+        #: ``source`` names them, nothing of it is on this node to plan or convert)
+        self.fetch_only = False
         #: the plan of the source the request read for its engine check (:func:`transformd.request.plan`), for the
         #: job's check and its conversion (the headers are read once per request)
         self.planned: Any = None
@@ -332,7 +335,9 @@ class ConversionService:
         """The converter's check of the job's source, reading only the checked descriptors (a view) of the tree the
         request checked (:func:`.keys.check_as_requested`: its errors name no other files): transformd's converter
         takes the plan of :func:`transformd.request.plan` (the request's own, when its engine check read one);
-        another converter (a test's) makes its own."""
+        another converter (a test's) makes its own. Nothing for a job that only downloads."""
+        if job.fetch_only:
+            return None
         outline_of = getattr(self.converter, "outline", None)
         if outline_of is not None:
             planned = job.planned
@@ -355,7 +360,8 @@ class ConversionService:
 
     async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None,
                          identity: SourceIdentity | None = None, provisional: bool = False,
-                         planned: Any = None, alias: tuple[str, str] | None = None) -> Job | None:
+                         planned: Any = None, alias: tuple[str, str] | None = None,
+                         fetch_only: bool = False) -> Job | None:
         """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
 
         ``identity``: the request's identity of the source (:meth:`identify`), so the conversion does not read
@@ -364,6 +370,7 @@ class ConversionService:
         is free for it at once (else None: the caller hashes first, so that its answer does not wait for the
         queue). ``planned``: the plan the request read of the same files (:func:`transformd.request.plan`), if it
         read one: a new job does not read it again. ``alias``: the repo id and commit the request named.
+        ``fetch_only``: the job downloads ``key`` from the remote tier (found by ``alias``), nothing else.
 
         Raises :class:`ApiError`: 422 invalid checkpoint (for every request waiting on the check), 503 queue
         full or shutting down.
@@ -393,6 +400,7 @@ class ConversionService:
             job.identity = identity
             job.planned = planned
             job.alias = alias
+            job.fetch_only = fetch_only
             if provisional:
                 self._provisional(job)
             self._jobs[key] = job
@@ -476,13 +484,24 @@ class ConversionService:
             except BaseException:
                 log.exception("conversion worker: unexpected error in job %s", job.key)
 
+    def _fetch_only(self, job: Job) -> Entry:
+        """A fetch-only job's entry, downloaded from the tier (or found here meanwhile)."""
+        entry = None if self.tier is None else self.tier.fetch(self.cache, job.key, source=str(job.source),
+                                                               progress=job.on_status)
+        if entry is None:
+            entry = self.cache.get(job.key)  # (another process of this cache may have had it)
+        if entry is None:
+            raise CacheError(f"the remote tier no longer gives entry {job.key} of {job.source}, and no snapshot of it "
+                             "is here to convert; see the daemon's log")
+        return entry
+
     def _run(self, job: Job) -> None:
         job.start()
         self.metrics.in_progress.inc()
         t0 = time.monotonic()
         outcome = "failed"
         try:
-            entry = request.produce(
+            entry = self._fetch_only(job) if job.fetch_only else request.produce(
                 self.cache,
                 job.source,
                 job.recipe,
