@@ -18,8 +18,8 @@
    the upload). Any failure of the tier is logged once, counted, and the request goes on as without a tier.
 
 A node with a repo id and a full commit but no snapshot of it asks the tier by its alias record
-(:meth:`Tier.fetch_alias`) instead of steps 2-5 (``transformd convert``; the daemon answers such a request with
-the hub's 404 as before).
+(:meth:`Tier.fetch_alias`; the daemon: :meth:`Tier.alias_key`, then a job that only downloads) instead of steps
+2-5.
 
 A hub repo id is turned into its snapshot's path before step 1 (:mod:`transformd.hub`; the daemon also checks
 that its caller may read it). The CLI (:mod:`transformd.cli.convert`) runs the steps one after the other, with
