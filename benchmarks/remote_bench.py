@@ -157,6 +157,7 @@ def main() -> None:
                            "upload: rclone copy": server.object_path(f"rclone{i}")}
                 for name, cmd in runs.items():
                     times.setdefault(name, []).append(_timed(cmd, rclone_env if cmd[0] == server.binary else env))
+                    print(f"round {i + 1}: {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
                     got = outputs[name]  # all there, then removed (a large run would not fit the disk otherwise)
                     assert sum(p.stat().st_size for p in got.rglob("*") if p.is_file()) >= nbytes, name
                     subprocess.run(["chmod", "-R", "u+w", str(got)], check=False)

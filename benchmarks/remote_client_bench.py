@@ -80,7 +80,8 @@ def _run(op: str, path: Path, key: str, chunk: int, streams: int, env: dict[str,
                        env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
     if p.returncode != 0:
-        return "error: " + (p.stderr.strip().splitlines() or ["?"])[-1][:90]
+        lines = [x for x in p.stderr.splitlines() if "Error" in x and ":" in x] or p.stderr.splitlines() or ["?"]
+        return "error: " + lines[-1].strip()[:110]
     json.loads(p.stdout.strip().splitlines()[-1])
     return wall
 

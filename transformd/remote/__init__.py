@@ -13,13 +13,14 @@ anything is written, so a hostile manifest cannot write outside the staging dire
 raises :class:`RemoteError`; the caller then converts locally, as without a tier.
 
 Why obstore (the Rust object_store's binding) and not boto3, measured with ``benchmarks/remote_client_bench.py``
-(the same 256 MiB object, the same ``rclone serve s3`` on loopback, whole processes, a 2-core development VM):
-obstore uploaded it in 4.3 s against boto3's 7.4 s (both multipart, 16 MiB parts, 8 at once) and downloaded it in
-3.5 s as one stream against 17.3 s for boto3's parallel ranged download (s3transfer). Its requests are bounded
-(connect and per-read timeouts, a retry budget) and its errors typed, and it reads the standard AWS variables
-itself; boto3 is used only to read an AWS profile when one is named. rclone 1.75 answers ranged GETs with
-``200`` instead of ``206``, which obstore rightly refuses: against such a server the tier reads each file as one
-stream (:mod:`.stores`).
+(the same 256 MiB object, the same ``rclone serve s3`` on loopback, whole processes, a 2-core development VM,
+``benchmarks/results/remote_client_bench_cpu.txt``): obstore uploaded it in 7.0 s against boto3's 12.1 s (both
+multipart, 16 MiB parts, 8 at once) and downloaded it in 4.0 s as one stream against 8.4 s for boto3's parallel
+ranged download (s3transfer); an earlier run the same hour gave 4.3 against 7.4 s and 3.5 against 17.3 s. Its
+requests are bounded (connect and per-read timeouts, a retry budget), its errors typed, and it reads the standard
+AWS variables itself; boto3 is used only to read an AWS profile when one is named. rclone 1.75 answers ranged GETs
+with ``200`` instead of ``206``, which obstore rightly refuses (boto3 takes it): against such a server the tier
+reads each file as one stream (:mod:`.stores`).
 """
 
 from __future__ import annotations

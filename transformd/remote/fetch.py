@@ -192,13 +192,17 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def fetch_entry(store: ObjectStore, key: str, staging_dir: Path, progress: Callable[[FetchProgress], None] | None,
-                *, ranges: bool = True) -> tuple[bool, bool]:
+                *, ranges: bool = True, before: Callable[[Manifest], None] | None = None) -> tuple[bool, bool]:
     """Download entry ``key`` into ``staging_dir`` (see the module). Returns ``(found, ranges)``: ``found`` False on
     a miss (no manifest; nothing written), ``ranges`` whether the server answers ranged reads (False once it did
-    not: the caller passes it next time). Raises :class:`RemoteError`; nothing unverified stays."""
+    not: the caller passes it next time). ``before`` is called with the checked manifest before anything is
+    downloaded (to make room for its ``total_bytes``; what it raises propagates, nothing written). Raises
+    :class:`RemoteError`; nothing unverified stays."""
     manifest = read_manifest(store, key)
     if manifest is None:
         return False, ranges
+    if before is not None:
+        before(manifest)
     staging_dir = Path(staging_dir)
     staging_dir.mkdir(parents=True, exist_ok=True)
     out = staging_dir / CHECKPOINT_DIR

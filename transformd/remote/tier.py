@@ -11,7 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..cache.keys import Recipe
+from ..cache.manifest import Manifest
 from . import fetch as _fetch
+from . import names
 from . import publish as _publish
 from .errors import RemoteConfigError
 from .fetch import FetchProgress
@@ -62,15 +64,21 @@ class Remote:
 
     def has(self, key: str) -> bool:
         """Whether the tier holds a committed entry ``key`` (its manifest is there)."""
-        from .names import manifest_name
+        return self.store.size(names.manifest_name(key)) is not None
 
-        return self.store.size(manifest_name(key)) is not None
+    def manifest(self, key: str) -> Manifest | None:
+        """The tier's manifest of entry ``key`` (checked: its key, its file names), or None when it has none."""
+        return _fetch.read_manifest(self.store, key)
 
-    def fetch(self, key: str, staging_dir: Path, progress: Callable[[FetchProgress], None] | None = None) -> bool:
+    def fetch(self, key: str, staging_dir: Path, progress: Callable[[FetchProgress], None] | None = None, *,
+              before: Callable[[Manifest], None] | None = None) -> bool:
         """Download entry ``key`` into ``staging_dir``, every file checked against the manifest; False on a miss.
-        The caller publishes ``staging_dir`` (``checkpoint/`` and ``manifest.json``, sealed) with the cache's
-        rename. Raises :class:`~.errors.RemoteError` (nothing fetched kept)."""
-        found, ranges = _fetch.fetch_entry(self.store, key, Path(staging_dir), progress, ranges=self._ranges)
+        ``before(manifest)`` runs before the first byte is downloaded (e.g. the cache making room for
+        ``manifest.total_bytes``; what it raises propagates). The caller publishes ``staging_dir``
+        (``checkpoint/`` and ``manifest.json``, sealed) with the cache's rename. Raises
+        :class:`~.errors.RemoteError` (nothing fetched kept)."""
+        found, ranges = _fetch.fetch_entry(self.store, key, Path(staging_dir), progress, ranges=self._ranges,
+                                           before=before)
         with self._lock:
             self._ranges = self._ranges and ranges
         return found
