@@ -203,7 +203,8 @@ def test_a_download_shows_as_a_conversion_does(tmp_path: Path) -> None:
     job.start()
     seen: list[dict] = []
 
-    def fill(stage: Path, report) -> bool:
+    def fill(stage: Path, report, reserve) -> bool:
+        reserve(16 << 20)
         for done in (0, 4 << 20, 8 << 20):
             report({"bytes_done": done, "bytes_total": 16 << 20})
             time.sleep(0.15)  # (a rate needs 0.2 s of samples)
@@ -234,3 +235,24 @@ def test_convert_into_the_cache_downloads_or_uploads_through_the_tier(s3: S3Serv
     second = Path(out.splitlines()[-1])
     assert "downloaded from the remote tier" in err.splitlines()[-1], err
     assert second != first and _files(second) == _files(first)
+
+
+def test_an_entry_the_cache_cannot_hold_is_refused_before_its_download(s3: S3Server, daemons: Daemons,
+                                                                       tmp_path: Path) -> None:
+    """Room is made from the tier's manifest before the first byte comes: a cache whose budget cannot hold the
+    entry raises CacheFullError (the request's 507, as for a conversion) with nothing downloaded or left."""
+    from transformd.cache import Cache, CacheFullError
+    from transformd.request import Tier
+
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "m", layers=1, experts=2, shards=1)
+    url = s3.url("full")
+    a = daemons.start(cache_dir=tmp_path / "cache-a", allow_roots=[models], remote=url)
+    key = _resolve(a, {"source": str(src), "target": "ocp"})["key"]
+    _uploaded(a)
+    small = Cache(tmp_path / "small", budget_bytes="256K")
+    tier = Tier.from_url(url)
+    with pytest.raises(CacheFullError, match="cannot hold"):
+        tier.fetch(small, key, source=str(src))
+    assert not list(small.staging_dir.iterdir()) and small.get(key) is None
+    assert tier.counts["failures"] == 0 and tier.counts["hits"] == 0, tier.counts

@@ -266,17 +266,17 @@ class Tier:
             return None
         asked: list[bool] = []
 
-        def fill(stage: Path, report: Callable[[Any], None]) -> bool:
+        def fill(stage: Path, report: Callable[[Any], None], reserve: Callable[[int], None]) -> bool:
             asked.append(True)
 
             def update(p: Any) -> None:
                 report({"bytes_done": p.bytes_done, "bytes_total": p.bytes_total})
 
-            try:
-                found = bool(self.remote.fetch(key, stage, update))
+            try:  # (room for the entry is made from its manifest's size before its first byte comes)
+                found = bool(self.remote.fetch(key, stage, update, before=lambda m: reserve(m.total_bytes)))
                 self._worked()
                 return found
-            except RemoteError:
+            except (RemoteError, CacheError):  # (a cache that cannot hold it: the request's error, as a conversion's)
                 raise
             except Exception as e:  # noqa: BLE001 - a failure of the tier's client is the tier's, never the request's
                 raise RemoteError(f"remote {self.remote.url}: {type(e).__name__}: {str(e)[:300]}") from e

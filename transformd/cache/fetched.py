@@ -27,16 +27,21 @@ from .status import ConversionStatus, _StatusWriter
 if TYPE_CHECKING:
     from .store import Cache
 
+#: Bytes reserved beyond an entry's files (its manifest, directories): as a conversion's estimate has.
+ENTRY_OVERHEAD_BYTES = 64 * 1024
+
 __all__ = ["get_or_fetch"]
 
 
-def get_or_fetch(cache: Cache, key: str, fetch: Callable[[Path, Callable[[Any], None]], bool], *, source: str,
-                 estimate: int = 0, progress: Callable[[ConversionStatus], None] | None = None,
+def get_or_fetch(cache: Cache, key: str, fetch: Callable[[Path, Callable[[Any], None], Callable[[int], None]], bool],
+                 *, source: str, estimate: int = 0, progress: Callable[[ConversionStatus], None] | None = None,
                  state: str = "downloading") -> Entry | None:
-    """The entry ``key`` of ``cache``: there already (``outcome`` ``hit``), or made by ``fetch(stage, report)``,
-    which fills the empty directory ``stage`` with a sealed entry (``manifest.json`` and ``checkpoint/``, files
-    read-only and fsynced) and calls ``report(update)`` as it goes (a dict of :data:`transformd.progress.COUNTERS`),
-    then published (``outcome`` ``fetched``). None when ``fetch`` returns False (a miss), or when another process
+    """The entry ``key`` of ``cache``: there already (``outcome`` ``hit``), or made by ``fetch(stage, report,
+    reserve)``, which fills the empty directory ``stage`` with a sealed entry (``manifest.json`` and ``checkpoint/``,
+    files read-only and fsynced), calls ``report(update)`` as it goes (a dict of
+    :data:`transformd.progress.COUNTERS`) and ``reserve(nbytes)`` once it knows the entry's size, before it writes
+    (room is made, or :class:`~transformd.cache.CacheFullError` raised and nothing written), then published
+    (``outcome`` ``fetched``). None when ``fetch`` returns False (a miss), or when another process
     holds the key's lock (it converts or fetches it: the caller's conversion waits for it). ``source``: what the
     status names (a path, or where it comes from); ``estimate``: bytes reserved before it starts (the budget is
     enforced again once it is published). Raises what ``fetch`` raises, with nothing of it left."""
@@ -66,8 +71,8 @@ def get_or_fetch(cache: Cache, key: str, fetch: Callable[[Path, Callable[[Any], 
     return entry
 
 
-def _fetch_locked(cache: Cache, key: str, fetch: Callable[[Path, Callable[[Any], None]], bool], source: str,
-                  estimate: int, progress: Callable[[ConversionStatus], None] | None, state: str) -> bool:
+def _fetch_locked(cache: Cache, key: str, fetch: Callable[[Path, Callable[[Any], None], Callable[[int], None]], bool],
+                  source: str, estimate: int, progress: Callable[[ConversionStatus], None] | None, state: str) -> bool:
     cache.cleanup(_held_key=key)
     name = f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
     stage = cache.staging_dir / name
@@ -80,7 +85,11 @@ def _fetch_locked(cache: Cache, key: str, fetch: Callable[[Path, Callable[[Any],
         writer.set_state(state)  # (its status file says so at once: another process shows it as downloading)
         stage.mkdir()
         os.chmod(stage, 0o755)  # (as a conversion's: engines of other users enter it)
-        if not fetch(stage, writer):
+        def reserve(nbytes: int) -> None:
+            writer.estimate = nbytes + ENTRY_OVERHEAD_BYTES
+            cache._reserve(key, writer.estimate, source, writer)
+
+        if not fetch(stage, writer, reserve):
             rmtree_force(stage)
             return False
         manifest = Manifest.read(stage / MANIFEST_NAME)
