@@ -500,14 +500,16 @@ def test_corrupt_checkpoints_are_422_and_the_daemon_keeps_serving(start, models:
     assert any(level == "INFO" and m.startswith(f"converted {models / 'sample'} (key ") for level, m in said), said
 
 
+@pytest.mark.parametrize("engine", [None, "vllm"])
 def test_a_request_reads_a_fresh_source_once_to_key_it_and_plans_it_once(start, tmp_path: Path, models: Path,
-                                                                         monkeypatch) -> None:
+                                                                         monkeypatch, engine: str | None) -> None:
     """A source written just now (inside the stat cache's racy window, so nothing is remembered) is hashed once
-    per file and planned once per request: the conversion reuses the request's identity and plan."""
+    per file and planned once per request: the conversion reuses the request's identity and plan, and so does the
+    job of a request whose engine's check read the plan (it planned twice, a review)."""
     from transformd import checkpoint
     from transformd.cache import keys
 
-    src = write_sample_checkpoint(models / "fresh", layers=1, experts=2, shards=2)
+    src = write_sample_checkpoint(models / f"fresh-{engine}", layers=1, experts=2, shards=2)
     hashed: list[str] = []
     real_hash, real_plan = keys.hash_file, checkpoint.plan_conversion
     plans: list[str] = []
@@ -516,7 +518,7 @@ def test_a_request_reads_a_fresh_source_once_to_key_it_and_plans_it_once(start, 
                         lambda path, *a, **k: plans.append(str(path)) or real_plan(path, *a, **k))
     daemon = start()
     with daemon.client() as http:
-        body = _resolve(http, src)
+        body = _resolve(http, src, **({} if engine is None else {"engine": engine}))
     files = sorted(p.name for p in src.iterdir())
     assert len(hashed) == len(files), (hashed, files)
     assert len(plans) == 1, plans

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -383,18 +384,27 @@ def test_a_cache_hit_reports_the_readiness_its_conversion_recorded(tmp_path: Pat
 def test_the_engine_check_of_a_cache_conversion_does_not_read_the_source_twice(tmp_path: Path, capsys,
                                                                                 monkeypatch) -> None:
     """``--engine`` looks the source's key up before converting; the conversion then reuses that identity, even for
-    files written moments ago (which the stat cache does not remember yet): each file is hashed once."""
+    files written moments ago (which the stat cache does not remember yet): each file is hashed once. And the plan
+    its check read (every shard's header): the conversion does not plan the source again (it did, a review)."""
+    from transformd import checkpoint
     from transformd.cache import keys
+    from transformd.checkpoint import plan
 
     src = write_sample_checkpoint(tmp_path / "src", layers=1, experts=2)  # just written: inside the racy window
     hashed: list[str] = []
     real = keys.hash_file
     monkeypatch.setattr(keys, "hash_file",
                         lambda p, *a, **k: hashed.append(os.path.basename(os.readlink(p))) or real(p, *a, **k))
+    plans: list[str] = []
+    real_plan = plan.plan_conversion
+    counted = functools.wraps(real_plan)(lambda p, *a, **k: plans.append(str(p)) or real_plan(p, *a, **k))
+    for module in (checkpoint, plan):  # (its name in the package and in its module: both ways of importing it)
+        monkeypatch.setattr(module, "plan_conversion", counted)
     code, out, err = _run(capsys, "convert", src, "--cache-dir", tmp_path / "cache", "--device", "cpu",
                           "--engine", "vllm")
     assert code == 0 and "transformd: converted " in err[-1], err
     assert sorted(hashed) == sorted(p.name for p in src.iterdir() if p.is_file()), "each file hashed once"
+    assert len(plans) == 1, plans
 
 
 #: ``transformd`` with its first output fsync held (said on standard error) until the file argv[1] exists. SIGINT

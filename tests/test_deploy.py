@@ -245,6 +245,20 @@ def test_kubernetes_pod():
     assert "vllm serve" in command and "--target ocp" in command
     assert "--engine vllm" in command, "the hook names its engine (issue 44): else a silent misload is refused"
 
+    # the remote tier: a bucket URL the library accepts, credentials from a Secret (never a literal in the example)
+    env = {v["name"]: v for v in sidecar["env"]}
+    assert env["TRANSFORMD_REMOTE"]["value"].startswith("s3://")
+    from transformd.remote.tier import Remote
+    from transformd.remote.errors import RemoteDeniedError
+
+    try:
+        Remote.from_url(env["TRANSFORMD_REMOTE"]["value"])
+    except RemoteDeniedError:  # (no credentials where the tests run: the URL itself was accepted)
+        pass
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "value" not in env[name] and env[name]["valueFrom"]["secretKeyRef"]["name"]
+    assert not any(e["name"].startswith("AWS_") for e in engine.get("env", []))  # the engine never sees them
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The examples work as written on a fresh node (issue 45)

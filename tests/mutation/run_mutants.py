@@ -9,7 +9,8 @@ fail and *survives* when they pass; a survivor is either a hole in the tests or 
 (``cache/securefs.py``, ``daemon/paths.py``) and the publish paths (``_durable.py``, ``checkpoint/convert.py``,
 ``cache/store.py`` seal/publish, ``cache/seal.py``, ``cache/manifest.py``, ``safetensors_io.py``'s writer) and
 converting while hashing (``cache/alongside.py``, and the daemon's first resolve in ``daemon/app.py`` and
-``daemon/service.py``).
+``daemon/service.py``), and the remote tier's checks of what it fetches (``remote/fetch.py``, ``remote/names.py``,
+``remote/publish.py``).
 
 The GPU-only mutants (the PTX kernel, the ptx/portable choice) can only be caught on CPU by
 tests/test_gpu_record.py's digest check. When the copy has no tests/gpu/last_run.json, the runner writes one that
@@ -63,6 +64,7 @@ PLANTED_TESTS = ["tests/test_trust_planted.py"]
 #: The tests of answers about what a caller may not read (issue 42, item 3 and 4), and of the borrowed credentials.
 ORACLE_TESTS = ["tests/test_trust_oracles.py", "-k", "links_into or exchanged"]
 FSCREDS_TESTS = ["tests/test_trust_fscreds.py"]
+REMOTE_TESTS = ["tests/test_remote.py"]
 
 
 @dataclass(frozen=True)
@@ -351,8 +353,8 @@ MUTANTS: list[Mutant] = [
     m("daemon-stopping-not-told", "transformd/daemon/server.py",
       "        if self._on_stopping is not None:\n            self._on_stopping()\n", "", DAEMON_ALONGSIDE_TESTS),
     m("daemon-alongside-never-taken", "transformd/daemon/app.py",
-      "        ident = await service.identify(source, defer=True, reader=reader)\n",
-      "        ident = await service.identify(source, reader=reader)\n",
+      "            ident = await service.identify(source, defer=service.tier is None, reader=reader)\n",
+      "            ident = await service.identify(source, reader=reader)\n",
       DAEMON_ALONGSIDE_TESTS),
     # -- issue 42, second trust round: select, caps, client, listener, the two planted bugs ----------------------------
     m("select-refusal-ignored", "transformd/daemon/state.py", "            raise error_for_exception(e) from None",
@@ -383,6 +385,17 @@ MUTANTS: list[Mutant] = [
     m("download-record-dirs-followed", "transformd/cache/securefs.py",
       "cur = os.open(p, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=cur)", "cur = os.open(p, DIR_FLAGS, dir_fd=cur)",
       PLANTED_TESTS),
+    # -- the remote tier: what is fetched from a bucket is checked before it is kept -------------------------------
+    m("remote-digest-unchecked", "transformd/remote/fetch.py", "        if digest != rec.digest:",
+      "        if False:", REMOTE_TESTS),
+    m("remote-size-unchecked", "transformd/remote/fetch.py", "        if size != rec.size:", "        if False:",
+      REMOTE_TESTS),
+    m("remote-names-unchecked", "transformd/remote/names.py", "        why = _name_problem(name)\n",
+      "        why = None\n", REMOTE_TESTS),
+    m("remote-manifest-before-files", "transformd/remote/publish.py", "    largest_first = sorted(",
+      "    store.write_bytes(names.manifest_name(key), raw, create=True)\n    largest_first = sorted(", REMOTE_TESTS),
+    m("remote-failure-keeps-files", "transformd/remote/fetch.py", "    except BaseException:\n        rmtree_force(out)",
+      "    except BaseException:\n        pass", REMOTE_TESTS),
 ]
 
 

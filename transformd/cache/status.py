@@ -35,10 +35,10 @@ FAILURE_TTL_S = 3600.0
 class ConversionStatus:
     """Where a key stands, as any process can read it.
 
-    ``state``: ``converting`` (a live process converts it), ``publishing`` (digests, fsync,
-    rename), ``ready`` (an entry exists), ``failed`` (the last attempt failed within the last
-    hour; ``error`` says why). ``detail`` is the converter's latest progress update (JSON).
-    ``waiting`` is True in the updates a process receives while another process converts.
+    ``state``: ``converting`` (a live process converts it), ``downloading`` (a live process downloads it from the
+    remote tier, :mod:`.fetched`), ``publishing`` (digests, fsync, rename), ``ready`` (an entry exists),
+    ``failed`` (the last attempt failed within the last hour; ``error`` says why). ``detail`` is the converter's
+    latest progress update (JSON). ``waiting`` is True in the updates a process receives while another process converts.
     """
 
     key: str

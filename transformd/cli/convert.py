@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,6 +58,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                               "same cache directory (by default that daemon converts, without this process's "
                               "start-up, and this command shows its progress; found as for 'transformd resolve': "
                               "$TRANSFORMD_SOCKET, $XDG_RUNTIME_DIR/transformd.sock, /run/transformd/transformd.sock)")
+    convert.add_argument("--remote", metavar="URL",
+                         help="into the cache: a remote tier many nodes share, s3://BUCKET[/PREFIX] (credentials and "
+                              "endpoint from the AWS variables and profiles) or file:///PATH; the entry is downloaded "
+                              "from it before converting, and a conversion is uploaded to it once DIR is printed "
+                              "(default: $TRANSFORMD_REMOTE). A repo id at a full commit with no snapshot here is "
+                              "found by the alias the converting node recorded")
+    convert.add_argument("--remote-read-only", action="store_true",
+                         help="only download from the remote tier, never upload to it")
     convert.add_argument("--progress-every", metavar="S", type=non_negative_float, default=5.0,
                          help="seconds between progress lines when standard error is not a terminal (default 5)")
     convert.set_defaults(handler=_run_convert)
@@ -189,9 +198,12 @@ def _run_convert(args: argparse.Namespace) -> int:
     from ..hub import RepoNotCachedError, RevisionNotCachedError, source_path
 
     args.engine = args.engine or engine_from_env()  # (the engine's container may name it once: TRANSFORMD_ENGINE)
+    tier = _tier(args)
     try:
         args.src = source_path(args.src, args.revision, note=sys.stderr)  # a repo id: its snapshot in the hub cache
     except RepoNotCachedError as err:  # (a relative name is a repo id unless it exists here: say so first)
+        if tier is not None and (found := _by_alias(args, tier)) is not None:
+            return found
         path = None if isinstance(err, RevisionNotCachedError) else missing_here(args.src)
         if path is None:
             raise
@@ -202,9 +214,9 @@ def _run_convert(args: argparse.Namespace) -> int:
         print(args.src)
         return EXIT_OK
     if args.out is None:
-        return _run_convert_cached(args, target, why)
-    cache_only = [flag for flag, given in (("--cache-dir", args.cache_dir is not None), ("--no-daemon", args.no_daemon))
-                  if given]
+        return _run_convert_cached(args, target, why, tier)
+    cache_only = [flag for flag, given in (("--cache-dir", args.cache_dir is not None), ("--no-daemon", args.no_daemon),
+                                           ("--remote", tier is not None)) if given]
     if cache_only:
         raise ValueError(f"{' and '.join(cache_only)}: for a conversion into the cache, not with --out")
     from ..progress import ConvertProgress, summary
@@ -240,9 +252,67 @@ def _run_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
+def _tier(args: argparse.Namespace) -> Any:
+    """The remote tier of ``--remote`` / ``$TRANSFORMD_REMOTE``, or None."""
+    url = args.remote or os.environ.get("TRANSFORMD_REMOTE") or None
+    if url is None:
+        if args.remote_read_only:
+            raise ValueError("--remote-read-only: for a --remote (or $TRANSFORMD_REMOTE)")
+        return None
+    from ..request import Tier
+
+    return Tier.from_url(url, read_only=args.remote_read_only)
+
+
+def _by_alias(args: argparse.Namespace, tier: Any) -> int | None:
+    """``convert org/Model --revision COMMIT`` with no snapshot of it here: the entry the tier's alias record names
+    (converted by another node), into the cache; None when the tier has none (the hub's error is then said)."""
+    from ..cache import Cache, Recipe
+    from ..hub import is_repo_id
+
+    if args.out is not None or not is_repo_id(args.src, paths_exist=False) or not _full_commit(args.revision):
+        return None
+    target, why = _choose_target(args)  # (the platform's and the engine's: no source needed)
+    if target is None:
+        return None
+    from ..checkpoint.layout import Layout, layout_for
+    from ..request import check_engine
+
+    cache = Cache(args.cache_dir)
+    entry = None
+    for layout in dict.fromkeys((layout_for(args.engine), Layout.AS_IS)):  # (as-is: a source with no stack to split)
+        recipe = Recipe(target=target, scale_mode=args.scale_mode, select=args.select, layout=layout)
+        entry = tier.fetch_alias(cache, args.src, args.revision, recipe)
+        if entry is not None:
+            break
+    if entry is None:
+        return None
+    if args.engine != "raw":  # (what its conversion recorded: an engine that would load it wrong is refused)
+        check_engine(_readiness_of(entry), args.engine, entry.path)
+    _print_outcome(_readiness_of(entry), args.engine, target, why)
+    print(_cached_summary(entry), file=sys.stderr, flush=True)
+    print(entry.path)
+    return EXIT_OK
+
+
+def _full_commit(revision: str | None) -> bool:
+    return revision is not None and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
+
+
+def _readiness_of(entry: Any) -> Any:
+    """The readiness an entry's conversion recorded, else computed from its headers."""
+    from ..checkpoint import readiness_of_dir
+    from ..request import recorded_readiness
+
+    return recorded_readiness(entry) or readiness_of_dir(entry.path)
+
+
+def _run_convert_cached(args: argparse.Namespace, target: str, why: str, tier: Any = None) -> int:
+    """``convert`` into the cache: the steps of :mod:`transformd.request`, with the daemon that serves the same
+    cache as the converter when there is one."""
+    from .. import request
     from ..cache import Cache, CacheError, PendingIdentity, Recipe, TransformdConverter, cache_key
-    from ..checkpoint import check_engine, plan_conversion, plan_readiness, readiness_of_dir
+    from ..checkpoint import readiness_of_dir
     from ..checkpoint.plan import source_layout
     from ..progress import ConvertProgress
 
@@ -255,25 +325,27 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
     # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
     # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
     ours = cache.written_here()  # (another user's cache, a daemon's, is read by key only: its daemon keys, converts)
+    # (with a remote tier the key is needed before anything else: the tier is asked by key)
     bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
     if ours:  # (hashing a source printed nothing: the bar is drawn from the start, each phase its label)
         bar.phase("hashing", _shard_bytes(args.src))
         try:
-            identity = cache.identity_unless_alongside(args.src)
+            identity = request.identify(cache, args.src, defer=tier is None)
         finally:
             bar.close(leave=False)  # (a daemon asked next shows its own; a conversion here draws the bar again)
     else:
         identity = None
     known = None if isinstance(identity, PendingIdentity) else identity
-    cached = None if known is None else cache.get(cache_key(known, recipe))
+    slot = identity.slot(recipe) if isinstance(identity, PendingIdentity) else None  # (its conversion's name)
+    entry = request.find(cache, known, recipe)  # a hit: the source was keyed and its entry found, neither done again
+    planned = None
     if args.engine != "raw":  # refuse before converting (headers only); the cache checks everything else
         # a hit is checked against what its conversion recorded; no engine named: what one would load wrong
-        report, plan = (_recorded_readiness(cached) if cached is not None else None), None
-        if report is None:
-            plan = plan_conversion(args.src, select=args.select, layout=recipe.layout)
-            report = plan_readiness(plan, target)
-        check_engine(report, args.engine, args.src, plan, target)
-    entry = cached  # a hit: the source was keyed and its entry found above, neither is done again
+        report = request.recorded_readiness(entry) if entry is not None else None
+        if report is None:  # read once, from the files identified, and handed to the conversion below
+            planned = request.plan(cache, args.src, recipe, identity=known, slot=slot)
+            report = request.readiness(planned, recipe)
+        request.check_engine(report, args.engine, args.src, planned, target)
     if entry is None and not args.no_daemon:
         from .delegate import convert_through_daemon
 
@@ -286,32 +358,24 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str) -> int:
                          f"cache, and {asked}; give a --cache-dir of your own otherwise")
     if entry is None:
         bar.phase("converting", _shard_bytes(args.src))
+        # a plan is of the files identified: the conversion must find them, with that content, as they were then
+        expect = {} if planned is None else {"key": known and cache_key(known, recipe), "slot": slot}
         # a source new to the cache is hashed beside its conversion, which reads it ahead itself (cache.alongside)
         with bar, _while_starting(args.src, args.device, lambda status: bar.update(status.progress),
                                   read_ahead=known is not None) as update:
-            entry = cache.get_or_convert(args.src, recipe, progress=update, identity=known)
-    _print_outcome(_recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
+            entry = request.produce(cache, args.src, recipe, identity=known, planned=planned, progress=update,
+                                    tier=tier, **expect)
+    _print_outcome(request.recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:
         from ..report import compare_checkpoints
 
         print(visible(compare_checkpoints(args.src, entry.path).format_table(legend=True)))
-    print(entry.path)
+    print(entry.path, flush=True)
+    if tier is not None and not tier.wait_uploads(0):  # the answer is out; this process ends with its upload
+        print(f"transformd: uploading the entry to {tier.remote.url}", file=sys.stderr, flush=True)
+        tier.wait_uploads()
     return EXIT_OK
-
-
-def _recorded_readiness(entry) -> dict | None:
-    """The engine readiness the conversion recorded in the entry's manifest (the report of its output, computed
-    before it was written), or None (an entry of an older version: then it is computed from the headers)."""
-    from ..engines import CHECKED_ENGINES, EngineReadiness
-
-    try:
-        recorded = entry.manifest.result["readiness"]  # (in the engines' order, not the manifest's sorted keys)
-        if any("misloads" not in r for r in recorded.values()):  # an older version's: computed again
-            return None
-        return {e.value: EngineReadiness(**recorded[e.value]) for e in CHECKED_ENGINES if e.value in recorded} or None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 def _cached_summary(entry) -> str:
@@ -326,6 +390,9 @@ def _cached_summary(entry) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         return f"transformd: {entry.outcome}: {where}"
     result = {"target": recipe.target, "scale_mode": recipe.scale_mode, **result}
+    if entry.outcome == "fetched":
+        return (f"transformd: downloaded from the remote tier (converted by another node, nothing converted now): "
+                f"target {result['target']}, scale mode {result['scale_mode']}; {where}")
     if entry.outcome == "hit":
         return (f"transformd: found in the cache (converted earlier, nothing converted now): "
                 f"target {result['target']}, scale mode {result['scale_mode']}; {where}")

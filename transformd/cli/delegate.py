@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from .._version import __version__
-from ..cache import Cache, CacheError, Entry, Recipe, SourceIdentity, cache_key
+from .. import request
+from ..cache import Cache, CacheError, Entry, Recipe, SourceIdentity
 from ..client import default_socket_path
 from .common import shown
 
@@ -75,10 +76,8 @@ def convert_through_daemon(cache: Cache, src: str | os.PathLike[str], recipe: Re
                                             scale_mode=recipe.scale_mode, select=recipe.select,
                                             poll_interval=POLL_INTERVAL_S)
             done = True
-        if known is not None:
-            entry = cache.get(cache_key(known, recipe))
-        elif here:
-            entry = cache.lookup(src, recipe)
+        if known is not None or here:  # the entry of this process's own key of src (step 3 of transformd.request)
+            entry = request.find(cache, known or request.identify(cache, src), recipe)
         else:  # another user's cache, whose entry names this user cannot make (cache.names): the entry of the key
             entry = cache.entry_at(client.last_key, path) if client.last_key else None  # and path it was answered
         # converted since it was asked (for this request, or for another at the same time), or cached before

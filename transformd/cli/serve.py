@@ -31,6 +31,8 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         "max_concurrent_conversions": args.max_concurrent_conversions,
         "max_queued_conversions": args.max_queued_conversions,
         "admin_uids": args.admin_uid,
+        "remote": args.remote,
+        "remote_read_only": args.remote_read_only,
         "log_level": args.log_level,
     }
     return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -129,6 +131,13 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--admin-uid", metavar="UID", type=int, action="append",
                    help="a uid that may see, release and delete every caller's leases and entries (repeatable; "
                    "default: the daemon's own uid; root is an admin only when named)")
+    p.add_argument("--remote", metavar="URL",
+                   help="remote tier many nodes share: s3://BUCKET[/PREFIX] (credentials and endpoint from the AWS "
+                   "variables: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE) or "
+                   "file:///PATH; a request that misses the cache downloads the entry from it before converting, and "
+                   "what this daemon converts is uploaded to it in the background (default: $TRANSFORMD_REMOTE)")
+    p.add_argument("--remote-read-only", action="store_true", default=None,
+                   help="only download from the remote tier, never upload to it")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                    help="log verbosity on standard error (default info)")
     p.set_defaults(handler=cmd_serve)

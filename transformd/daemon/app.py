@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
@@ -20,21 +21,21 @@ from fastapi import FastAPI, Request
 from fastapi import Path as FastApiPath
 from fastapi.responses import JSONResponse, Response
 
-from ..cache import Cache, EntryLeasedError, EntryNotFoundError, PendingIdentity, Recipe, cache_key
+from .. import request
+from ..cache import Cache, EntryLeasedError, EntryNotFoundError, PendingIdentity, Recipe, SourceIdentity, cache_key
 from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
 from ..checkpoint.layout import Layout, layout_for
-from ..engines import Platform, choose_target, unnamed_refusal
+from ..engines import Platform, choose_target
 from ..hub import HubResolver
 from ..platform import detect_platform
 from .docs import install_docs
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
-from .hub_sources import hub_source, remember_hub, with_hub
+from .hub_sources import alias_of, hub_source, remember_hub, with_hub
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
-from ..cache.securefs import reading_as
 from .fscreds import Reader, caller_reads
 from .peers import Caller, path_denied, unreadable
 from .schemas import (
@@ -52,6 +53,7 @@ from .service import ConversionService
 from .settings import Settings
 from .shards import TransformdShardConverter
 from .state import Daemon
+from .sources import check_engine, plan_readiness, readable_source, source_layout
 from .views import entry_view, foreign_view, job_file, job_files, job_view, passthrough_view
 
 #: Seconds between two refreshes of the cache size gauges by /metrics.
@@ -138,6 +140,8 @@ def create_app(
         )
     cache.allowed_roots = policy.roots  # every source file is checked on its open descriptor (cache.securefs)
     metrics = Metrics()
+    tier = None if not settings.remote else request.Tier.from_url(  # (a malformed URL fails the start, in one line)
+        settings.remote, read_only=settings.remote_read_only, on_count=metrics.count_remote)
     entries = EntryIndex(cache)
     daemon: Daemon
 
@@ -149,6 +153,7 @@ def create_app(
         converter,
         policy,
         metrics,
+        tier=tier,
         max_concurrent=settings.max_concurrent_conversions,
         max_queued=settings.max_queued_conversions,
         on_change=on_change,
@@ -167,7 +172,8 @@ def create_app(
             daemon.device = str(await anyio.to_thread.run_sync(resolve_device, settings.device))
         with contextlib.suppress(Exception):
             await anyio.to_thread.run_sync(daemon.refresh_gauges)
-        log.info("transformd %s: cache %s, allowed roots %s", __version__, cache.root, policy.describe())
+        log.info("transformd %s: cache %s, allowed roots %s%s", __version__, cache.root, policy.describe(),
+                 "" if tier is None else f", remote tier {tier.remote.url}{' (read-only)' if tier.read_only else ''}")
         try:
             yield
         finally:
@@ -217,73 +223,6 @@ def _document_settings(app: FastAPI, settings: Settings) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, reader: Reader,
-                    layout: str = "as-is") -> dict[str, Any]:
-    """Blocking: readiness of the output a conversion of ``source`` would write (headers only, read through checked
-    descriptors); 403 unless the caller could read the files opened now (the path may name others by then)."""
-    from ..checkpoint import plan_conversion, plan_readiness
-
-    caller = reader.caller
-    try:
-        with reading_as(reader), d.cache.open_source(source) as tree:
-            missing = reader.denied(tree.facts())
-            plan = None if missing is not None else plan_conversion(tree.view(), select=select, layout=layout)
-    except ApiError:
-        raise
-    except Exception as e:
-        raise error_for_exception(e) from e
-    if plan is None:
-        raise unreadable(caller, source, str(missing))
-    return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
-
-
-def _source_layout(d: Daemon, source: str, engine: str | None, reader: Reader) -> Layout:
-    """Blocking: :func:`transformd.checkpoint.plan.source_layout` of ``source``, read through checked descriptors with
-    the caller's reads (as-is when it cannot be opened: the request's own checks say why)."""
-    from ..checkpoint.plan import source_layout
-
-    try:
-        with reading_as(reader), d.cache.open_source(source) as tree:
-            return source_layout(tree.view(), engine)
-    except Exception:
-        return Layout.AS_IS
-
-
-def _readable_source(d: Daemon, source: str, reader: Reader) -> str:
-    """Blocking: the real path of ``source`` when it lies under the allowed roots and the caller could read every
-    file of it (as for a conversion; nothing is hashed)."""
-    caller = reader.caller
-    try:
-        d.policy.check_allowed(source)
-        with reading_as(reader), d.cache.open_source(source) as tree:  # SourcePolicy.resolve's checks, the caller's
-            missing = reader.denied(tree.facts())
-            real = tree.real
-    except ApiError:
-        raise
-    except Exception as e:
-        raise error_for_exception(e) from e
-    if missing is not None:
-        raise unreadable(caller, source, missing)
-    return real
-
-
-def _check_engine(report: dict[str, Any] | None, engine: str | None) -> None:
-    """422 when ``engine`` could not load the checkpoint at any tensor-parallel size; with no engine named, when an
-    engine would load it wrong without an error (``engine_needed``: name the engine, or ``raw``)."""
-    if engine is None and report is not None:
-        refusal = unnamed_refusal(report)
-        if refusal is not None:
-            raise ApiError(422, "engine_needed", refusal)
-    r = report.get(engine) if engine is not None and report is not None else None
-    if r is not None and not (r["loads_at"] or r.get("may_load_at")):
-        raise ApiError(
-            422,
-            "engine_cannot_load",
-            f"{engine} could not load the converted checkpoint at any tensor-parallel size: "
-            + "; ".join(r["problems"][:3]),
-        )
-
-
 def _routes(app: FastAPI, d: Daemon) -> None:
     cache, service, entries, metrics = d.cache, d.service, d.entries, d.metrics
 
@@ -319,22 +258,27 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         reader = d.reader(caller)  # every open of the source for this request: the caller's own (fscreds)
         slot = d.source_slot(caller)  # held for the work on the source: a caller takes a few source threads at most
         target, reason = choose_target(body.target, body.engine, d.platform)
-        async with slot:
-            hub = await hub_source(d, body.source, body.revision, reader)  # {} for a path; else its snapshot
+        aliases = [] if target is None else [  # (with a remote tier: a repo id and commit not cached here)
+            Recipe(target=target, scale_mode=body.scale_mode, select=body.select, layout=layout)
+            for layout in dict.fromkeys((layout_for(body.engine), Layout.AS_IS))]
+        async with slot:  # {} for a path; else its snapshot, or (not here) the entry a tier's alias record names
+            hub, aliased = await hub_source(d, body.source, body.revision, reader, recipes=aliases)
+        if aliased is not None:
+            return await _by_alias(*aliased, caller, body, reason)
         source = d.policy.check_syntax(hub["hub"]["snapshot"] if hub else body.source)
         if not reader.kernel and (missing := await _thread(path_denied, caller, source, d.policy.allowed)) is not None:
             raise unreadable(caller, source, missing)  # (before anything of it is looked at: no 404, 422 or 507 said)
         if target is None:  # native MX: the engine loads the source itself
             async with slot:
-                real = await _thread(_readable_source, d, source, reader)
+                real = await _thread(readable_source, d, source, reader)
             return _json({**passthrough_view(real, reason), **hub})
         layout = layout_for(body.engine)
         if layout is not Layout.AS_IS:  # (per-expert only for a source with a fused stack: else the same entry)
             async with slot:
-                layout = await _thread(_source_layout, d, source, body.engine, reader)
+                layout = await _thread(source_layout, d, source, body.engine, reader)
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select, layout=layout)
-        async with slot:
-            ident = await service.identify(source, defer=True, reader=reader)
+        async with slot:  # (with a remote tier the key is needed first: the tier is asked by key)
+            ident = await service.identify(source, defer=service.tier is None, reader=reader)
         if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
             answer = await _resolve_while_hashing(ident, source, recipe, reader, body, hub, reason)
             if answer is not None:
@@ -358,9 +302,10 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                 d.grant(key, caller)
                 return await _ready(info, job, reason, body.engine, hub)
         metrics.cache_misses.inc()
-        async with _admitted(reader, key, source, body, recipe):
+        async with _admitted(reader, key, source, body, recipe, identity=ident) as planned:
             d.grant(key, caller)  # (after its admission: a refused request leaves no grant behind, an attack review)
-            job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident, reader=reader)
+            job = await service.ensure_job(key, ident.path, recipe, uid=caller.uid, identity=ident, reader=reader,
+                                           planned=planned, alias=alias_of(hub))
         assert job is not None
         return await _answer(key, job, reason, body.engine, hub)
 
@@ -376,9 +321,9 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         if missing is not None:
             raise unreadable(caller, source, missing)
         slot = pending.slot(recipe)
-        async with _admitted(reader, slot, source, body, recipe):
+        async with _admitted(reader, slot, source, body, recipe, slot=slot) as planned:
             job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True,
-                                           reader=reader)
+                                           reader=reader, planned=planned)
         if job is None:
             return None
         key = await service.keyed(job)
@@ -390,24 +335,47 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             metrics.cache_misses.inc()
         return await _answer(key, job, reason, body.engine, hub)
 
+    async def _by_alias(key: str, hub: dict[str, Any], recipe: Recipe, caller: Caller, body: CheckpointRequest,
+                        reason: str | None) -> Response:
+        """POST's answer for a repo id and commit the tier's alias record names: the entry, or a job downloading it."""
+        remember_hub(d, key, hub)
+        if (info := await _thread(entries.info, key, touch=True)) is not None:
+            metrics.cache_hits.inc()
+            d.grant(key, caller)
+            return await _ready(info, service.job(key), reason, body.engine, hub)
+        metrics.cache_misses.inc()
+        with _reserved(caller, key):  # (its queue limit; nothing of a source to check)
+            d.grant(key, caller)
+            job = await service.ensure_job(key, Path(f"{body.source}@{body.revision}"), recipe, uid=caller.uid,
+                                           alias=(body.source, str(body.revision)), fetch_only=True)
+        return await _answer(key, job, reason, body.engine, hub)
+
+    def _reserved(caller: Caller, key: str) -> contextlib.AbstractContextManager[Any]:
+        """A place in the caller's limit of queued conversions (429 past it), taken before anything is awaited and
+        held (``with``) until the job exists; nothing when the request joins the active job of ``key``."""
+        job = service.job(key)
+        if job is not None and job.active:
+            return contextlib.nullcontext()
+        return service.reserve(caller.uid, key, d.settings.max_queued_per_caller, caller.describe())  # (admins' too)
+
     @contextlib.asynccontextmanager
-    async def _admitted(reader: Reader, key: str, source: str, body: CheckpointRequest,
-                        recipe: Recipe) -> AsyncIterator[None]:
+    async def _admitted(reader: Reader, key: str, source: str, body: CheckpointRequest, recipe: Recipe, *,
+                        identity: SourceIdentity | None = None, slot: str | None = None) -> AsyncIterator[Any]:
         """Around the start of a job for ``key`` (unless the request joins the active one): a place in the caller's
-        limit of queued conversions, taken before anything is awaited and held until the job exists (429 past
-        it), then the engine's check of the converted checkpoint (from the headers, in a source slot; 422)."""
+        limit of queued conversions (:func:`_reserved`), then the engine's check of the converted checkpoint (from
+        the headers of the files the request identified, in a source slot; 422; with no engine named, refused if one
+        would load it wrong without an error). Yields the plan that check read (for the job), or None."""
         caller = reader.caller
         job = service.job(key)
         joins = job is not None and job.active
-        place = contextlib.nullcontext() if joins else service.reserve(  # (admins' and root's too)
-            caller.uid, key, d.settings.max_queued_per_caller, caller.describe())
-        with place:
-            if body.engine != "raw" and not joins:  # (no engine named: refused if one would load it wrong, no error)
+        with _reserved(caller, key):
+            planned = None
+            if body.engine != "raw" and not joins:
                 async with d.source_slot(caller):  # (it reads the source's headers)
-                    report = await _thread(_plan_readiness, d, source, body.select, recipe.target, reader,
-                                           recipe.layout)
-                _check_engine(report, body.engine)
-            yield
+                    planned, report = await _thread(plan_readiness, d, source, recipe, reader, identity=identity,
+                                                    slot=slot)
+                check_engine(report, body.engine)
+            yield planned
 
     async def _answer(key: str, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:
         """POST's answer once the request has a job for ``key``: the entry (200) if the job is done, else 202."""
@@ -419,7 +387,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
 
     async def _ready(info: Any, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:
         report = await _thread(d.entry_readiness, info.key, info.path)
-        _check_engine(report, engine)
+        check_engine(report, engine)
         return _json({**entry_view(info, job), "target_reason": reason, "readiness": report, **hub})
 
     @app.get(
@@ -627,6 +595,8 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             for j in service.active_jobs()
             if d.is_admin(caller) or d.may_see(j.key, caller)
         ]
+        if service.tier is not None:
+            body["remote"] = service.tier.as_dict()
         return _json(body)
 
     @app.get("/healthz", response_model=HealthModel, summary="Liveness and the daemon's configuration", tags=["daemon"])

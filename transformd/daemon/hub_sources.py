@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -16,15 +18,20 @@ if TYPE_CHECKING:
     from .fscreds import Reader
     from .state import Daemon
 
+_FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
 
-async def hub_source(d: Daemon, source: str, revision: str | None, reader: Reader) -> dict[str, Any]:
-    """``{"hub": {repo_id, revision, commit, snapshot}}`` when ``source`` is a repo id (looked up in a source
+
+async def hub_source(d: Daemon, source: str, revision: str | None, reader: Reader, *, recipes: Sequence[Any] = ()
+                     ) -> tuple[dict[str, Any], tuple[str, dict[str, Any], Any] | None]:
+    """``({"hub": {repo_id, revision, commit, snapshot}}, None)`` when ``source`` is a repo id (looked up in a source
     thread: 400 malformed, 403 hub cache not an allowed root or not one the caller may search, 404 not cached);
-    ``{}`` for a path. The lookup reads the hub cache as the caller (``reader``: its own credentials, or the daemon's
-    with every link and the snapshot checked for the caller first); whatever lies where the caller cannot look is
-    the one 403, whether or not something is there."""
+    ``({}, None)`` for a path. The lookup reads the hub cache as the caller (``reader``: its own credentials, or the
+    daemon's with every link and the snapshot checked for the caller first); whatever lies where the caller cannot
+    look is the one 403, whether or not something is there. With a remote tier and ``recipes``, a repo id at a full
+    commit that is not cached here gives ``(hub, (key, hub, recipe))`` when the tier's alias record of one of them
+    (the first that has one) names its entry (:func:`hub_alias`)."""
     if d.hub is None or not d.hub.wants(source, revision):
-        return {}
+        return {}, None
     hub, caller = d.hub, reader.caller
 
     def look_up() -> Any:  # (what the hub cache holds is told only to a caller who could search it)
@@ -47,8 +54,38 @@ async def hub_source(d: Daemon, source: str, revision: str | None, reader: Reade
     except ApiError:
         raise
     except Exception as e:
-        raise error_for_exception(e) from e
-    return {"hub": found.as_dict()}
+        err = error_for_exception(e)
+        if (aliased := await hub_alias(d, source, revision, recipes, err)) is None:
+            raise err from e
+        return aliased[1], aliased
+    return {"hub": found.as_dict()}, None
+
+
+async def hub_alias(d: Daemon, source: str, revision: str | None, recipes: Sequence[Any], error: ApiError
+                    ) -> tuple[str, dict[str, Any], Any] | None:
+    """With a remote tier, a repo id at a full commit that the hub cache does not hold (``error``: hub_source's 404,
+    so the caller may search the hub cache): the key of the tier's alias record of the first of ``recipes`` that has
+    one, the answer's ``hub`` (no snapshot) and that recipe; None otherwise (the caller raises ``error``)."""
+    from ..hub import is_repo_id
+
+    tier = d.service.tier
+    if (tier is None or error.status != 404 or revision is None
+            or not _FULL_COMMIT.fullmatch(revision) or not is_repo_id(source, paths_exist=False)):
+        return None
+    for recipe in recipes:
+        key = await anyio.to_thread.run_sync(tier.alias_key, source, revision, recipe,
+                                             limiter=d.service.source_limiter())
+        if key is not None:
+            return key, {"hub": {"repo_id": source, "revision": revision, "commit": revision, "snapshot": None}}, recipe
+    return None
+
+
+def alias_of(hub: dict[str, Any]) -> tuple[str, str] | None:
+    """The repo id and full commit a request named (``hub_source``'s answer), recorded with its entry in the tier."""
+    found = hub.get("hub") if hub else None
+    if isinstance(found, dict) and found.get("repo_id") and found.get("commit"):
+        return str(found["repo_id"]), str(found["commit"])
+    return None
 
 
 def remember_hub(d: Daemon, key: str, hub: dict[str, Any]) -> None:

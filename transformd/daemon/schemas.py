@@ -93,7 +93,8 @@ class ErrorResponse(BaseModel):
 #: What the API says of each :class:`~transformd.progress.Progress` field (the model is built from the record itself,
 #: so the schema and the record cannot drift apart).
 _PROGRESS_DOCS = {
-    "phase": "validating, queued, converting, waiting (another process converts), publishing, done, failed",
+    "phase": "validating, queued, converting, downloading (from the remote tier), waiting (another process converts), "
+    "publishing, done, failed",
     "shard": "the shard the converter reported last",
     "bytes_done": "input bytes converted so far",
     "convert_bytes_done": "MXFP8 weight bytes converted so far (the slow part; the ETA comes from these)",
@@ -195,6 +196,9 @@ class CacheModel(BaseModel):
     free_bytes: int
     entries: list[CacheEntryModel]
     conversions: list[ConversionModel] = Field(default_factory=list, description="conversions of this daemon")
+    remote: dict | None = Field(None, description="the remote tier (--remote): url, read_only, and its counts since "
+                                "the daemon started: hits, misses, bytes, verification_failures, failures, uploads, "
+                                "upload_failures")
 
 
 class HealthModel(BaseModel):

@@ -2,11 +2,11 @@
 
 One :class:`Job` per cache key at a time. A ``POST /v1/checkpoints`` that misses the cache calls
 :meth:`ConversionService.ensure_job`: the first request for a key creates the job and checks the
-checkpoint (``converter.plan``, headers only; an invalid checkpoint is a 422 for every request that
-waits on that check, and nothing is written); concurrent requests for the same key join the same
+checkpoint (step 4 of :mod:`transformd.request`, headers only; an invalid checkpoint is a 422 for every
+request that waits on that check, and nothing is written); concurrent requests for the same key join the same
 job and never start a second thread. Checked jobs wait in a FIFO queue (at most
 ``max_queued`` of them; more is a 503) for one of ``max_concurrent`` worker threads, which runs
-:meth:`transformd.cache.Cache.get_or_convert` (the cache adds single flight across processes, the
+:func:`transformd.request.produce` (the cache adds single flight across processes, the
 atomic publish and the eviction). Progress comes back through the cache's progress callback.
 
 The event loop never waits on a conversion, a hash or a directory scan: source checks, identities
@@ -29,14 +29,15 @@ from typing import Any
 
 import anyio.to_thread
 
-from ..cache import Cache, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
+from .. import request
+from ..cache import Cache, CacheError, ConversionStatus, Entry, PendingIdentity, Recipe, SourceIdentity
 from ..cache.keys import check_as_requested
 from ..cache.securefs import SourceReader, reading_as
 from ..progress import COUNTERS, Eta, Progress, human_bytes
 from .errors import ApiError, error_for_exception
 from .metrics import Metrics
 from .paths import SourcePolicy
-from .shards import ConversionOutline, ShardPriority, bind_shard_order, plan_of
+from .shards import ConversionOutline, ShardPriority, plan_of
 
 log = logging.getLogger("transformd.daemon")
 
@@ -80,6 +81,14 @@ class Job:
         self.identity: SourceIdentity | None = None
         #: who the request that created the job opened the source for: the job's opens of it are that reader's
         self.reader: SourceReader | None = None
+        #: the repo id and full commit the request named (recorded with the entry in the remote tier)
+        self.alias: tuple[str, str] | None = None
+        #: a job that only downloads ``key`` from the remote tier (a repo id and commit with no snapshot here: its
+        #: ``source`` names them, nothing of it is on this node to plan or convert)
+        self.fetch_only = False
+        #: the plan of the source the request read for its engine check (:func:`transformd.request.plan`), for the
+        #: job's check and its conversion (the headers are read once per request)
+        self.planned: Any = None
         self.priority = ShardPriority()
         self.outline: ConversionOutline | None = None
         self.state = "queued"
@@ -134,7 +143,8 @@ class Job:
             self.staging_dir = status.staging_dir
         if self.slot is not None and self.on_key is not None and status.key != self.slot:
             self._tell_key(status.key)  # the hashing beside the conversion has the key
-        phase = "waiting" if status.waiting else ("publishing" if status.state == "publishing" else "converting")
+        phase = "waiting" if status.waiting else status.state if status.state in ("publishing", "downloading") \
+            else "converting"
         changes: dict[str, Any] = {"phase": phase}
         update = status.progress
         if phase != "publishing" and update is not None:  # publishing reports output bytes hashed, not progress
@@ -191,6 +201,7 @@ class ConversionService:
         policy: SourcePolicy,
         metrics: Metrics,
         *,
+        tier: request.Tier | None = None,
         max_concurrent: int = 1,
         max_queued: int = 16,
         on_change: Callable[[], None] | None = None,
@@ -200,6 +211,8 @@ class ConversionService:
         self.converter = converter
         self.policy = policy
         self.metrics = metrics
+        #: the remote tier (``--remote``), asked before a conversion and given what this daemon converts
+        self.tier = tier
         self.max_concurrent = max(1, max_concurrent)
         self.max_queued = max(0, max_queued)
         self._on_change = on_change
@@ -329,11 +342,23 @@ class ConversionService:
                            reader: SourceReader | None = None) -> SourceIdentity | PendingIdentity:
         self.policy.check_allowed(source)
         with reading_as(reader):
-            return self.cache.identity_unless_alongside(source) if defer else self.cache.identity(source)
+            return request.identify(self.cache, source, defer=defer)
 
     def _plan_blocking(self, job: Job) -> ConversionOutline | None:
         """The converter's check of the job's source, reading only the checked descriptors (a view) of the tree the
-        request checked (:func:`.keys.check_as_requested`: its errors name no other files)."""
+        request checked (:func:`.keys.check_as_requested`: its errors name no other files), opened for the job's
+        reader: transformd's converter takes the plan of :func:`transformd.request.plan` (the request's own, when
+        its engine check read one); another converter (a test's) makes its own. Nothing for a job that only
+        downloads."""
+        if job.fetch_only:
+            return None
+        outline_of = getattr(self.converter, "outline", None)
+        if outline_of is not None:
+            planned = job.planned
+            if planned is None:
+                with reading_as(job.reader):
+                    planned = request.plan(self.cache, job.source, job.recipe, slot=job.slot, identity=job.identity)
+            return outline_of(planned)
         with reading_as(job.reader), self.cache.open_source(job.source) as tree:
             check_as_requested(tree, job.recipe, job.source, slot=job.slot, identity=job.identity)
             view = tree.view()
@@ -373,7 +398,8 @@ class ConversionService:
 
     async def ensure_job(self, key: str, source: Path, recipe: Recipe, *, uid: int | None = None,
                          identity: SourceIdentity | None = None, provisional: bool = False,
-                         reader: SourceReader | None = None) -> Job | None:
+                         reader: SourceReader | None = None, planned: Any = None,
+                         alias: tuple[str, str] | None = None, fetch_only: bool = False) -> Job | None:
         """The active job of ``key``, or a new one; returns once the checkpoint was checked and queued.
 
         ``identity``: the request's identity of the source (:meth:`identify`), so the conversion does not read
@@ -381,7 +407,9 @@ class ConversionService:
         ``provisional``: ``key`` is a :class:`PendingIdentity`'s slot; the job converts the source while hashing it
         (:meth:`keyed` waits for the key). It is started only when a worker
         is free for it at once (else None: the caller hashes first, so that its answer does not wait for the
-        queue).
+        queue). ``planned``: the plan the request read of the same files (:func:`transformd.request.plan`), if it
+        read one: a new job does not read it again. ``alias``: the repo id and commit the request named.
+        ``fetch_only``: the job downloads ``key`` from the remote tier (found by ``alias``), nothing else.
 
         Raises :class:`ApiError`: 422 invalid checkpoint (for every request waiting on the check), 503 queue
         full or shutting down.
@@ -410,6 +438,9 @@ class ConversionService:
             job.uid = uid
             job.identity = identity
             job.reader = reader
+            job.planned = planned
+            job.alias = alias
+            job.fetch_only = fetch_only
             if provisional:
                 self._provisional(job)
             self._jobs[key] = job
@@ -493,6 +524,17 @@ class ConversionService:
             except BaseException:
                 log.exception("conversion worker: unexpected error in job %s", job.key)
 
+    def _fetch_only(self, job: Job) -> Entry:
+        """A fetch-only job's entry, downloaded from the tier (or found here meanwhile)."""
+        entry = None if self.tier is None else self.tier.fetch(self.cache, job.key, source=str(job.source),
+                                                               progress=job.on_status)
+        if entry is None:
+            entry = self.cache.get(job.key)  # (another process of this cache may have had it)
+        if entry is None:
+            raise CacheError(f"the remote tier no longer gives entry {job.key} of {job.source}, and no snapshot of it "
+                             "is here to convert; see the daemon's log")
+        return entry
+
     def _run(self, job: Job) -> None:
         job.start()
         self.metrics.in_progress.inc()
@@ -500,18 +542,27 @@ class ConversionService:
         outcome = "failed"
         try:
             with reading_as(job.reader):  # (its opens of the source: the requester's)
-                entry = self.cache.get_or_convert(
+                entry = self._fetch_only(job) if job.fetch_only else request.produce(
+                    self.cache,
                     job.source,
                     job.recipe,
-                    progress=job.on_status,
-                    converter=bind_shard_order(self.converter, job.priority, job.outline.plan if job.outline else None),
                     identity=job.identity,
-                    expect_key=None if job.slot is not None else job.key,
-                    expect_slot=job.slot,  # (the provisional key of the tree the request checked)
-                    expect_files=job.identity if job.slot is None else None,  # (the files it identified)
+                    key=job.key,  # (the files and content the request checked, or the tree of its slot)
+                    slot=job.slot,
+                    planned=job.outline.plan if job.outline else None,
+                    shard_order=job.priority,
+                    converter=self.converter,
+                    progress=job.on_status,
                     poll_interval=POLL_INTERVAL_S,
+                    tier=self.tier,
+                    alias=job.alias,
                 )
-            outcome = {"converted": "converted", "waited": "waited"}.get(entry.outcome, "hit")
+            outcome = {"converted": "converted", "waited": "waited", "fetched": "fetched"}.get(entry.outcome, "hit")
+            if outcome == "fetched":  # downloaded from the remote tier: made for this request as a conversion is
+                log.info("downloaded %s (key %s, %s) from the remote tier: %.1f s", job.source, entry.key,
+                         human_bytes(entry.manifest.total_bytes), time.monotonic() - t0)
+                if self._on_converted is not None:
+                    self._on_converted(entry.key, job.uid)
             if outcome == "converted":
                 self.metrics.conversion_seconds.observe(time.monotonic() - t0)
                 self.metrics.converted_bytes.inc(entry.manifest.total_bytes)

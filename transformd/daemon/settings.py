@@ -19,12 +19,19 @@ setting (flag)                         environment variable                     
 ``max_lease_ttl_s``                    ``TRANSFORMD_MAX_LEASE_TTL_S``              7 days (an admin's leases)
 ``max_caller_lease_ttl_s``             ``TRANSFORMD_MAX_CALLER_LEASE_TTL_S``       1 day (anyone else's)
 ``admin_uids`` (``--admin-uid``)       ``TRANSFORMD_ADMIN_UIDS`` (commas)          the daemon's own uid
+``remote`` (``--remote``)              ``TRANSFORMD_REMOTE``                       none: no remote tier
+``remote_read_only``                   ``TRANSFORMD_REMOTE_READ_ONLY``             off: uploads what it converts
 ``log_level`` (``--log-level``)        ``TRANSFORMD_LOG_LEVEL``                    ``info``
 =====================================  ==========================================  =============================
 
 Repo ids (``org/Model``, :mod:`transformd.hub`) are looked up in ``hub_cache`` only when it is an allowed
 root: inside an ``--allow-root``, or added by ``--allow-hub-cache``. ``--allow-download`` lets the daemon
 fetch a repo that is not cached (into ``hub_cache``, which must then be writable); without it, it never does.
+
+``remote`` (``s3://BUCKET[/PREFIX]`` or ``file:///PATH``, :mod:`transformd.remote`) is the remote tier many nodes
+share: a request that misses the local cache downloads the entry from it before converting, and an entry this
+daemon converts is uploaded to it in the background (never with ``remote_read_only``). Credentials and endpoint
+come from the standard AWS variables and profiles (:mod:`transformd.request`, ``Tier``).
 
 No environment variable changes what the daemon does beyond these settings: tests that need a slowed or fake
 converter inject it (``create_app(converter=...)``, ``serve(settings, converter=...)``; tests/support/daemon.py).
@@ -127,6 +134,8 @@ class Settings(BaseSettings):
     #: seconds an answer's unsent bytes may stay unsent without shrinking (a peer that reads nothing): then the
     #: connection is cut
     write_timeout_s: float = Field(30.0, gt=0)
+    remote: str | None = Field(None, description="remote tier: s3://BUCKET[/PREFIX] or file:///PATH (none: no tier)")
+    remote_read_only: bool = Field(False, description="only read the remote tier, never upload to it")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     #: seconds the daemon waits for cancelled conversions to clean up when it stops
     shutdown_grace_s: float = Field(10.0, ge=0)

@@ -24,8 +24,6 @@ The hook this needs in :func:`transformd.checkpoint.convert_checkpoint` (the
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -34,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..cache import Recipe, TransformdConverter
+from ..request import bind
 
 if TYPE_CHECKING:  # the protocol lives beside convert_checkpoint; importing it at run time would load torch
     from ..checkpoint import ShardOrder
@@ -112,7 +111,11 @@ class TransformdShardConverter(TransformdConverter):
     def plan(self, src: Path, recipe: Recipe) -> ConversionOutline:
         from ..checkpoint import plan_conversion
 
-        plan = plan_conversion(src, select=recipe.select, layout=recipe.layout)
+        return self.outline(plan_conversion(src, select=recipe.select, layout=recipe.layout))
+
+    @staticmethod
+    def outline(plan: Any) -> ConversionOutline:
+        """The outline of a :class:`~transformd.checkpoint.ConversionPlan` (:func:`transformd.request.plan`)."""
         return ConversionOutline(tuple(s.name for s in plan.shards), plan.tensor_count, plan.data_bytes, plan)
 
     def __repr__(self) -> str:
@@ -121,15 +124,8 @@ class TransformdShardConverter(TransformdConverter):
 
 def bind_shard_order(converter: Any, shard_order: ShardOrder, plan: Any = None) -> Callable[..., Any]:
     """``converter`` as a plain cache converter that passes ``shard_order`` (and ``plan``, its own plan from
-    :func:`plan_of`, when given) if it takes them."""
-    try:
-        params = inspect.signature(converter).parameters
-    except (TypeError, ValueError):
-        return converter
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    extra = {name: value for name, value in (("shard_order", shard_order), ("plan", plan))
-             if value is not None and (takes_any or name in params)}
-    return functools.partial(converter, **extra) if extra else converter
+    :func:`plan_of`, when given) if it takes them (:func:`transformd.request.bind`)."""
+    return bind(converter, shard_order=shard_order, plan=plan)
 
 
 def plan_of(converter: Any, src: Path, recipe: Recipe) -> ConversionOutline | None:

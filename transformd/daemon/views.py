@@ -79,13 +79,13 @@ def job_view(job: Job) -> dict[str, Any]:
 
 def foreign_view(status: ConversionStatus) -> dict[str, Any] | None:
     """A conversion of another process (or an earlier run) as the cache's status files show it; None if stale."""
-    if status.state in ("converting", "publishing"):
+    if status.state in ("converting", "downloading", "publishing"):  # (downloading: from the remote tier)
         out = _base(status.key, "converting")
-        reported = status.progress if status.state == "converting" else None
+        reported = status.progress if status.state != "publishing" else None
         out.update(
             source=status.source,
             progress=(reported or Progress()).replace(
-                phase="publishing" if status.state == "publishing" else "converting",
+                phase=status.state,
                 updated_at=status.updated_at,
             ).as_dict(),
         )

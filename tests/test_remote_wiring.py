@@ -1,0 +1,258 @@
+"""The remote tier in the request's route (transformd.request, ``serve --remote``, ``convert --remote``), against a
+real S3 server on loopback (``rclone serve s3``, tests/support/s3server.py): no mock of S3.
+
+Two daemons with caches of their own are two nodes. The first converts and uploads in the background; the second,
+with an empty cache, downloads the entry instead of converting it (bit-identical), also by a repo id and commit it
+has no snapshot of (the alias record the first wrote). A tier that is down or does not answer costs a bounded wait,
+and the request converts locally; the failure is counted.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from transformd import cli
+from transformd.sample import write_sample_checkpoint
+
+from .support.daemon import Daemons, wait_ready
+from .support.s3server import S3Server, s3_fixture, s3_server_fixture  # noqa: F401 - fixtures
+from .test_hub import add_snapshot
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO_ID = "org/Model"
+COMMIT = "c" * 40
+
+
+def _files(checkpoint: Path) -> dict[str, bytes]:
+    return {p.relative_to(checkpoint).as_posix(): p.read_bytes() for p in sorted(checkpoint.rglob("*")) if p.is_file()}
+
+
+def _resolve(daemon, body: dict) -> dict:
+    with daemon.client() as http:
+        r = http.post("/v1/checkpoints", json=body)
+        assert r.status_code in (200, 202), r.text
+        answer = r.json()
+        return wait_ready(http, answer["key"], timeout=120) if r.status_code == 202 else answer
+
+
+def _remote(daemon) -> dict:
+    with daemon.client() as http:
+        return http.get("/v1/cache").json()["remote"]
+
+
+def _metric(daemon, line_start: str) -> float:
+    with daemon.client() as http:
+        text = http.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+def _uploaded(daemon, n: int = 1, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (remote := _remote(daemon))["uploads"] < n:
+        assert remote["upload_failures"] == 0 and time.monotonic() < deadline, remote
+        time.sleep(0.1)
+    return remote
+
+
+def test_a_second_node_downloads_what_the_first_converted(s3: S3Server, daemons: Daemons, tmp_path: Path) -> None:
+    """Node A converts (its answer comes before the upload ends) and uploads the entry; node B, with a cache of its
+    own, resolves the same content (a copy at another path) and gets A's files from the tier, converting nothing."""
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "a" / "m", layers=1, experts=2, shards=2)
+    copy = write_sample_checkpoint(models / "b" / "m", layers=1, experts=2, shards=2)  # the same bytes elsewhere
+    url = s3.url("second-node")
+    a = daemons.start(cache_dir=tmp_path / "cache-a", allow_roots=[models], remote=url)
+    first = _resolve(a, {"source": str(src), "target": "ocp"})
+    assert first["state"] == "ready"
+    _uploaded(a)
+    b = daemons.start(cache_dir=tmp_path / "cache-b", allow_roots=[models], remote=url)
+    second = _resolve(b, {"source": str(copy), "target": "ocp"})
+    assert second["key"] == first["key"] and second["path"] != first["path"]
+    assert _files(Path(second["path"])) == _files(Path(first["path"])), "bit-identical to the conversion"
+    remote = _remote(b)
+    assert remote["hits"] == 1 and remote["bytes"] > 0 and remote["failures"] == 0, remote
+    assert _metric(b, 'transformd_conversions_total{outcome="converted"}') == 0
+    assert _metric(b, 'transformd_conversions_total{outcome="fetched"}') == 1
+    assert _metric(b, 'transformd_remote_total{event="hits"}') == 1
+    # a third node that may only read the tier downloads too, and uploads nothing it converts
+    c = daemons.start(cache_dir=tmp_path / "cache-c", allow_roots=[models], remote=url, remote_read_only=True)
+    other = write_sample_checkpoint(models / "c" / "m", layers=1, experts=2, shards=1, seed=3)
+    assert _resolve(c, {"source": str(copy), "target": "ocp"})["key"] == first["key"]
+    _resolve(c, {"source": str(other), "target": "ocp"})
+    time.sleep(0.5)
+    remote = _remote(c)
+    assert remote["read_only"] and remote["hits"] == 1 and remote["misses"] == 1 and remote["uploads"] == 0, remote
+
+
+def test_a_node_without_the_snapshot_finds_the_entry_by_repo_id_and_commit(s3: S3Server, daemons: Daemons,
+                                                                             tmp_path: Path, monkeypatch,
+                                                                             capsys) -> None:
+    """Node A converts org/Model at a commit from its hub cache and records the alias with the entry; node B has no
+    snapshot of it (an empty hub cache) and ``convert org/Model --revision COMMIT --remote`` downloads A's entry."""
+    models = tmp_path / "models"
+    add_snapshot(models / "hub", REPO_ID, COMMIT,
+                 write_sample_checkpoint(tmp_path / "work" / "m", layers=1, experts=2, shards=1), ("main",))
+    url = s3.url("alias")
+    a = daemons.start(cache_dir=tmp_path / "cache-a", allow_roots=[models], hub_cache=models / "hub", remote=url)
+    first = _resolve(a, {"source": REPO_ID, "revision": COMMIT, "target": "ocp"})
+    _uploaded(a)
+    (tmp_path / "empty-hub").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    code = cli.main(["convert", REPO_ID, "--revision", COMMIT, "--target", "ocp", "--cache-dir",
+                     str(tmp_path / "cache-b"), "--remote", url, "--no-daemon", "--device", "cpu"])
+    assert code == 0
+    entry = tmp_path / "cache-b" / "entries" / first["key"] / "checkpoint"
+    assert _files(entry) == _files(Path(first["path"]))
+    assert "downloaded from the remote tier" in capsys.readouterr().err
+    # a daemon with an empty hub cache (its callers may search it) answers the same request from the tier
+    (tmp_path / "models-b" / "hub").mkdir(parents=True)
+    b = daemons.start(cache_dir=tmp_path / "cache-c", allow_roots=[tmp_path / "models-b"],
+                      hub_cache=tmp_path / "models-b" / "hub", remote=url)
+    served = _resolve(b, {"source": REPO_ID, "revision": COMMIT, "target": "ocp"})
+    assert served["key"] == first["key"] and _files(Path(served["path"])) == _files(Path(first["path"]))
+    assert _remote(b)["hits"] == 1 and _metric(b, 'transformd_conversions_total{outcome="fetched"}') == 1
+    with b.client() as http:  # its files are served to the caller who asked; an unknown commit is the hub's 404
+        assert http.get(f"/v1/checkpoints/{first['key']}/files").status_code == 200
+        r = http.post("/v1/checkpoints", json={"source": REPO_ID, "revision": "e" * 40, "target": "ocp"})
+    assert r.status_code == 404 and r.json()["error"]["code"] in ("repo_not_cached", "revision_not_cached"), r.text
+    # without the tier's record (another commit), the hub's own error is said
+    code = cli.main(["convert", REPO_ID, "--revision", "d" * 40, "--target", "ocp", "--cache-dir",
+                     str(tmp_path / "cache-b"), "--remote", url, "--no-daemon", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code != 0 and "is not in the Hugging Face hub cache" in err, err
+
+
+@pytest.mark.parametrize("how", ["down", "silent", "denied"])
+def test_a_tier_down_silent_or_denied_falls_back_to_a_local_conversion(s3: S3Server, daemons: Daemons,
+                                                                       tmp_path: Path, monkeypatch, caplog,
+                                                                       how: str) -> None:
+    """The server stopped (connections refused), stopped answering (SIGSTOP: connections accepted, never answered),
+    or refusing this node's credentials: the request converts locally after a bounded wait, the failure is counted,
+    and its cause is one log line, said once for the two requests (without the secret). After a tier that did not
+    answer, the next request is not made to wait for it again (the tier is held off for a while)."""
+    models = tmp_path / "models"
+    sources = [write_sample_checkpoint(models / f"m{i}", layers=1, experts=2, shards=1, seed=i) for i in range(2)]
+    if how == "denied":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-" + s3.secret_key)
+    d = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[models], remote=s3.url(f"fallback-{how}"))
+    if how != "denied":
+        (s3.stop if how == "down" else s3.pause)()
+    caplog.set_level("DEBUG", logger="transformd.remote")
+    took, bodies = [], []
+    try:
+        for src in sources:
+            t0 = time.monotonic()
+            bodies.append(_resolve(d, {"source": str(src), "target": "ocp"}))
+            took.append(time.monotonic() - t0)
+    finally:
+        s3.resume()
+        if s3.proc is None:
+            s3.start()
+    assert [b["state"] for b in bodies] == ["ready"] * 2 and took[0] < 100, took
+    if how != "denied":  # (a denial is an answer: asked again, said once)
+        assert took[1] < 20, took
+    assert _metric(d, 'transformd_conversions_total{outcome="converted"}') == 2
+    remote = _remote(d)
+    assert remote["failures"] == 2 and remote["hits"] == 0, remote
+    said = [r for r in caplog.records if r.name == "transformd.remote" and "download failed" in r.getMessage()]
+    levels = ["WARNING", "DEBUG"] if how == "denied" else ["WARNING"]
+    assert [r.levelname for r in said] == levels, [(r.levelname, r.getMessage()) for r in said]
+    assert "\n" not in said[0].getMessage() and s3.secret_key not in caplog.text
+
+
+def test_a_corrupt_file_in_the_tier_is_never_published_and_the_node_converts(s3: S3Server, daemons: Daemons,
+                                                                             tmp_path: Path) -> None:
+    """A shard of the tier's entry changed in the bucket (same size, other bytes): the second node's download fails
+    its digest check, nothing of it is published, the node converts locally (the same bytes as the first node's)
+    and counts a verification failure."""
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "m", layers=1, experts=2, shards=1)
+    url = s3.url("corrupt")
+    a = daemons.start(cache_dir=tmp_path / "cache-a", allow_roots=[models], remote=url)
+    first = _resolve(a, {"source": str(src), "target": "ocp"})
+    _uploaded(a)
+    (shard,) = Path(first["path"]).glob("*.safetensors")
+    damaged = s3.object_path(f"corrupt/entries/{first['key']}/checkpoint/{shard.name}")
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    b = daemons.start(cache_dir=tmp_path / "cache-b", allow_roots=[models], remote=url)
+    second = _resolve(b, {"source": str(src), "target": "ocp"})
+    assert _files(Path(second["path"])) == _files(Path(first["path"])), "converted here, not the damaged download"
+    remote = _remote(b)
+    assert remote["verification_failures"] == 1 and remote["failures"] == 1 and remote["hits"] == 0, remote
+    assert _metric(b, 'transformd_conversions_total{outcome="converted"}') == 1
+    assert not list((tmp_path / "cache-b" / "staging").iterdir()), "nothing of the download left in staging"
+
+
+def test_a_download_shows_as_a_conversion_does(tmp_path: Path) -> None:
+    """While a download fills its staging directory, the job's progress (bytes, rate, ETA) and another process's
+    view of the cache's status files say ``downloading``; a miss leaves nothing in staging."""
+    from transformd.cache import Cache, Recipe
+    from transformd.cache.fetched import get_or_fetch
+    from transformd.daemon.service import Job
+    from transformd.daemon.views import foreign_view
+
+    cache = Cache(tmp_path / "cache")
+    key = "0123456789abcdef0123456789abcdef"
+    job = Job(key, tmp_path, Recipe(target="ocp"))
+    job.start()
+    seen: list[dict] = []
+
+    def fill(stage: Path, report, reserve) -> bool:
+        reserve(16 << 20)
+        for done in (0, 4 << 20, 8 << 20):
+            report({"bytes_done": done, "bytes_total": 16 << 20})
+            time.sleep(0.15)  # (a rate needs 0.2 s of samples)
+        seen.append(foreign_view(cache.status(key)))
+        return False  # a miss
+
+    assert get_or_fetch(cache, key, fill, source="s3://bucket/x (models/m)", progress=job.on_status) is None
+    progress = job.progress.as_dict()
+    assert progress["phase"] == "downloading" and progress["bytes_done"] == 8 << 20, progress
+    assert progress["bytes_total"] == 16 << 20 and progress["eta_s"] is not None, progress
+    assert seen[0]["state"] == "converting" and seen[0]["progress"]["phase"] == "downloading", seen
+    assert not list(cache.staging_dir.iterdir()) and cache.get(key) is None
+
+
+def test_convert_into_the_cache_downloads_or_uploads_through_the_tier(s3: S3Server, tmp_path: Path, capsys) -> None:
+    """``convert --cache-dir --remote``: a first node's conversion is in the tier when the command has ended (it
+    printed DIR first); a second node (another cache) downloads it, bit-identical, converting nothing."""
+    from transformd.remote import Remote
+
+    src = write_sample_checkpoint(tmp_path / "models" / "m", layers=1, experts=2, shards=2)
+    url = s3.url("cli")
+    argv = ["convert", str(src), "--target", "ocp", "--remote", url, "--no-daemon", "--device", "cpu"]
+    assert cli.main([*argv, "--cache-dir", str(tmp_path / "cache-a")]) == 0
+    first = Path(capsys.readouterr().out.splitlines()[-1])
+    assert Remote.from_url(url).has(first.parent.name), "uploaded before the command ended"
+    assert cli.main([*argv, "--cache-dir", str(tmp_path / "cache-b")]) == 0
+    out, err = capsys.readouterr()
+    second = Path(out.splitlines()[-1])
+    assert "downloaded from the remote tier" in err.splitlines()[-1], err
+    assert second != first and _files(second) == _files(first)
+
+
+def test_an_entry_the_cache_cannot_hold_is_refused_before_its_download(s3: S3Server, daemons: Daemons,
+                                                                       tmp_path: Path) -> None:
+    """Room is made from the tier's manifest before the first byte comes: a cache whose budget cannot hold the
+    entry raises CacheFullError (the request's 507, as for a conversion) with nothing downloaded or left."""
+    from transformd.cache import Cache, CacheFullError
+    from transformd.request import Tier
+
+    models = tmp_path / "models"
+    src = write_sample_checkpoint(models / "m", layers=1, experts=2, shards=1)
+    url = s3.url("full")
+    a = daemons.start(cache_dir=tmp_path / "cache-a", allow_roots=[models], remote=url)
+    key = _resolve(a, {"source": str(src), "target": "ocp"})["key"]
+    _uploaded(a)
+    small = Cache(tmp_path / "small", budget_bytes="256K")
+    tier = Tier.from_url(url)
+    with pytest.raises(CacheFullError, match="cannot hold"):
+        tier.fetch(small, key, source=str(src))
+    assert not list(small.staging_dir.iterdir()) and small.get(key) is None
+    assert tier.counts["failures"] == 0 and tier.counts["hits"] == 0, tier.counts
