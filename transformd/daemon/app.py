@@ -393,8 +393,13 @@ def _routes(app: FastAPI, d: Daemon) -> None:
                            headers={"Retry-After": "5"})
         if body.engine != "raw" and not joins:  # (no engine named: refused if one would load it wrong, no error)
             async with d.source_slot(caller):  # (it reads the source's headers)
-                report = await _thread(_plan_readiness, d, source, body.select, recipe.target, caller,
-                                       recipe.layout)
+                try:
+                    report = await _thread(_plan_readiness, d, source, body.select, recipe.target, caller,
+                                           recipe.layout)
+                except ApiError:
+                    if body.engine is not None:
+                        raise
+                    report = None  # (none named: a source that cannot be planned fails in its conversion, as it did)
             _check_engine(report, body.engine)
 
     async def _answer(key: str, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:
