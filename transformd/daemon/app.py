@@ -28,6 +28,7 @@ from ..engines import Platform, choose_target, unnamed_refusal
 from ..hub import HubResolver
 from ..platform import detect_platform
 from .docs import install_docs
+from .engine_checks import source_layout_of, unnamed_refusal_of
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
 from .hub_sources import hub_source, remember_hub, with_hub
@@ -233,18 +234,6 @@ def _plan_readiness(d: Daemon, source: str, select: str | None, target: str, cal
     return {name: r.as_dict() for name, r in plan_readiness(plan, target).items()}
 
 
-def _source_layout(d: Daemon, source: str, engine: str | None) -> Layout:
-    """Blocking: :func:`transformd.checkpoint.plan.source_layout` of ``source``, read through checked descriptors (as-is
-    when it cannot be opened: the request's own checks say why)."""
-    from ..checkpoint.plan import source_layout
-
-    try:
-        with d.cache.open_source(source) as tree:
-            return source_layout(tree.view(), engine)
-    except Exception:
-        return Layout.AS_IS
-
-
 def _readable_source(d: Daemon, source: str, caller: Caller) -> str:
     """Blocking: the real path of ``source`` when it lies under the allowed roots and ``caller`` could read every
     file of it (as for a conversion; nothing is hashed)."""
@@ -324,7 +313,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         layout = layout_for(body.engine)
         if layout is not Layout.AS_IS:  # (per-expert only for a source with a fused stack: else the same entry)
             async with slot:
-                layout = await _thread(_source_layout, d, source, body.engine)
+                layout = await _thread(source_layout_of, d.cache, source, body.engine)
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select, layout=layout)
         async with slot:
             ident = await service.identify(source, defer=True)
@@ -391,15 +380,15 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             raise ApiError(429, "caller_queue_full", f"{caller.describe()} already has "
                            f"{d.settings.max_queued_per_caller} conversions queued or running; wait for them",
                            headers={"Retry-After": "5"})
-        if body.engine != "raw" and not joins:  # (no engine named: refused if one would load it wrong, no error)
+        if body.engine is None and not joins:  # refused if an engine would load it wrong, without an error
+            async with d.source_slot(caller):  # (config.json and the tensor names: the conversion plans it once)
+                refusal = await _thread(unnamed_refusal_of, d.cache, source)
+            if refusal is not None:
+                raise ApiError(422, "engine_needed", refusal)
+        elif body.engine != "raw" and not joins:
             async with d.source_slot(caller):  # (it reads the source's headers)
-                try:
-                    report = await _thread(_plan_readiness, d, source, body.select, recipe.target, caller,
-                                           recipe.layout)
-                except ApiError:
-                    if body.engine is not None:
-                        raise
-                    report = None  # (none named: a source that cannot be planned fails in its conversion, as it did)
+                report = await _thread(_plan_readiness, d, source, body.select, recipe.target, caller,
+                                       recipe.layout)
             _check_engine(report, body.engine)
 
     async def _answer(key: str, job: Any, reason: str | None, engine: str | None, hub: dict[str, Any]) -> Response:

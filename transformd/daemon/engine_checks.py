@@ -1,0 +1,38 @@
+"""What the daemon reads of a source for the engine that will load it (issue 44): the layout of ``--engine
+sglang``'s output, and whether a request that names no engine is refused. Both read through the cache's checked
+descriptors (:meth:`transformd.cache.Cache.open_source`) and never fail a request themselves: a source that cannot
+be read is reported by the request's own checks and its conversion, as before."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..checkpoint.layout import Layout
+from ..engines import unnamed_refusal
+
+__all__ = ["source_layout_of", "unnamed_refusal_of"]
+
+
+def unnamed_refusal_of(cache: Any, source: str) -> str | None:
+    """Blocking: why a request that names no engine is refused (None: it is not), from ``source``'s config.json and
+    tensor names (:func:`transformd.checkpoint.plan.misloads_of_source`: no plan of every header, which the
+    conversion makes once)."""
+    from ..checkpoint.plan import misloads_of_source
+
+    try:
+        with cache.open_source(source) as tree:
+            report = misloads_of_source(tree.view())
+    except Exception:
+        return None
+    return unnamed_refusal(report, shapes=False)
+
+
+def source_layout_of(cache: Any, source: str, engine: str | None) -> Layout:
+    """Blocking: :func:`transformd.checkpoint.plan.source_layout` of ``source`` (as-is when it cannot be read)."""
+    from ..checkpoint.plan import source_layout
+
+    try:
+        with cache.open_source(source) as tree:
+            return source_layout(tree.view(), engine)
+    except Exception:
+        return Layout.AS_IS
