@@ -235,14 +235,15 @@ def test_a_daemon_that_had_the_content_already_is_a_hit(
 def test_the_engine_is_checked_here_before_the_daemon_is_asked(
     tmp_path: Path, daemons, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    """``--engine`` refuses before anything is asked (vLLM cannot load this checkpoint's partial tiles); an engine
+    """``--engine`` refuses before anything is asked (SGLang cannot load this checkpoint's partial tiles; vLLM may, its
+    Triton MoE refining the block of the 64-row experts); an engine
     that loads it (raw) gets the daemon's conversion, and the line on the target chosen for it."""
     src, root = _source(tmp_path / "src"), tmp_path / "cache"
     daemon = daemons.start(cache_dir=root, allow_roots=[tmp_path])
     monkeypatch.setenv("TRANSFORMD_SOCKET", str(daemon.socket_path))
     asked = _requests(daemon)
-    code, stdout, stderr = _convert(capsys, src, "--cache-dir", root, "--engine", "vllm")
-    assert code == 2 and stdout == [] and "vllm" in stderr[-1], stderr
+    code, stdout, stderr = _convert(capsys, src, "--cache-dir", root, "--engine", "sglang")
+    assert code == 2 and stdout == [] and "sglang could not load" in stderr[-1], stderr
     assert _requests(daemon) == asked and _conversions(daemon) == 0
     code, stdout, stderr = _convert(capsys, src, "--cache-dir", root, "--engine", "raw")
     assert code == 0 and "transformd: the daemon converted " in stderr[-1] and _conversions(daemon) == 1, stderr

@@ -483,10 +483,13 @@ def engine_from_env(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def unnamed_refusal(report: Mapping[str, EngineReadiness | Mapping[str, Any]],
-                    per_expert: Mapping[str, EngineReadiness | Mapping[str, Any]] | None = None) -> str | None:
+                    per_expert: Mapping[str, EngineReadiness | Mapping[str, Any]] | None = None,
+                    *, shapes: bool = True) -> str | None:
     """Why a conversion that names no engine is refused (None: it is not): some engine of ``report`` would load the
     output without an error and compute garbage. Says which engines load it and how to name one; ``per_expert``:
-    the readiness of the per-expert layout (what ``--engine sglang`` writes), when the source has fused stacks."""
+    the readiness of the per-expert layout (what ``--engine sglang`` writes), when the source has fused stacks;
+    ``shapes`` false: ``report`` was made without the tensors' shapes (:func:`~transformd.checkpoint.plan.
+    misloads_of_source`), so the engines it does not fault are named as candidates, each checked once named."""
     silent = misloaded_by(report)
     if not silent:
         return None
@@ -495,7 +498,10 @@ def unnamed_refusal(report: Mapping[str, EngineReadiness | Mapping[str, Any]],
     if per_expert is not None and Engine.SGLANG.value in silent and Engine.SGLANG.value in loaders_of(per_expert):
         loaders.append(Engine.SGLANG.value)
     names = [f"--engine {name}" for name in loaders] + ["--engine raw (transformd.loader or your own kernels)"]
-    which = (f"{', '.join(loaders)} load{'s' if len(loaders) == 1 else ''} it" if loaders
-             else "no checked engine loads it")
+    if not shapes:
+        which = f"{', '.join(loaders)} may load it (each is checked once named)" if loaders else "no engine loads it"
+    else:
+        which = (f"{', '.join(loaders)} load{'s' if len(loaders) == 1 else ''} it" if loaders
+                 else "no checked engine loads it")
     return (f"no engine named, and an engine would load this checkpoint wrong without an error ({wrong}); {which}. "
             f"Name the engine that will load it: {', '.join(names)}, or set {ENGINE_ENV} in its container")

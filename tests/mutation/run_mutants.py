@@ -181,8 +181,8 @@ MUTANTS: list[Mutant] = [
     m("provisional-job-tree-unchecked", "transformd/daemon/service.py", "expect_slot=job.slot,", "expect_slot=None,",
       SWAP_TESTS),
     m("readiness-reads-for-any-caller", "transformd/daemon/app.py",
-      "plan = None if missing is not None else plan_conversion(tree.view(), select=select)",
-      "plan = plan_conversion(tree.view(), select=select)", SWAP_TESTS),
+      "plan = None if missing is not None else plan_conversion(tree.view(), select=select, layout=layout)",
+      "plan = plan_conversion(tree.view(), select=select, layout=layout)", SWAP_TESTS),
     # -- connections (daemon/peers.py, daemon/middleware.py) ------------------------------------------------------------
     m("connections-per-uid-unlimited", "transformd/daemon/peers.py",
       "if uid is not None and per_uid.get(uid, 0) >= max_per_uid:", "if False:",
@@ -396,6 +396,11 @@ MUTANTS: list[Mutant] = [
       "    store.write_bytes(names.manifest_name(key), raw, create=True)\n    largest_first = sorted(", REMOTE_TESTS),
     m("remote-failure-keeps-files", "transformd/remote/fetch.py", "    except BaseException:\n        rmtree_force(out)",
       "    except BaseException:\n        pass", REMOTE_TESTS),
+    # -- engines: no silent default path (issue 44) ----------------------------------------------------------------------
+    m("no-engine-named-misload-served", "transformd/engines.py", "    silent = misloaded_by(report)\n",
+      "    silent = {}\n", ["tests/test_expert_split.py", "-k", "no_engine or renaming"]),
+    m("split-stack-header-unsplit", "transformd/checkpoint/plan.py", "        split = shard.splits.get(t.name)\n",
+      "        split = None\n", ["tests/test_expert_split.py", "-k", "reference_per_expert"]),
 ]
 
 

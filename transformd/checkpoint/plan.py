@@ -201,6 +201,19 @@ def source_layout(src: str | os.PathLike[str], engine: Engine | str | None) -> L
     return layout if any(is_fused_stack(name) for name in names) else Layout.AS_IS
 
 
+def misloads_of_source(src: str | os.PathLike[str]) -> dict[str, EngineReadiness]:
+    """What each engine would load wrong without an error whatever the shapes (``misloads`` of the readiness report;
+    its other fields are not meaningful): from config.json and the tensor names alone (the index, or the single
+    shard's header), for a request that names no engine, without a plan of every header."""
+    src = Path(src)
+    config = load_json(src / CONFIG_NAME, required=True)
+    index, shard_names = _shard_layout(src)
+    names = set(index["weight_map"] if index is not None else read_header(src / shard_names[0]).tensors)
+    stacks = [(name, "F8_E4M3", (1, 1, 1)) for name in sorted(names)
+              if is_fused_stack(name) and any(name + suffix in names for suffix in SCALE_SUFFIXES)]
+    return readiness({**config, "quantization_config": {"weight_block_size": [128, 128]}}, stacks)
+
+
 def with_layout(plan: ConversionPlan, layout: Layout | str) -> ConversionPlan:
     """``plan`` writing the output in ``layout`` (:mod:`.layout`); nothing is read."""
     layout = Layout(layout)

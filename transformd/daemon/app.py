@@ -30,6 +30,7 @@ from ..engines import Platform, choose_target
 from ..hub import HubResolver
 from ..platform import detect_platform
 from .docs import install_docs
+from .engine_checks import source_layout_of, unnamed_refusal_of
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
 from .hub_sources import alias_of, hub_source, remember_hub, with_hub
@@ -53,7 +54,7 @@ from .service import ConversionService
 from .settings import Settings
 from .shards import TransformdShardConverter
 from .state import Daemon
-from .sources import check_engine, plan_readiness, readable_source, source_layout
+from .sources import check_engine, plan_readiness, readable_source
 from .views import entry_view, foreign_view, job_file, job_files, job_view, passthrough_view
 
 #: Seconds between two refreshes of the cache size gauges by /metrics.
@@ -275,7 +276,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         layout = layout_for(body.engine)
         if layout is not Layout.AS_IS:  # (per-expert only for a source with a fused stack: else the same entry)
             async with slot:
-                layout = await _thread(source_layout, d, source, body.engine, reader)
+                layout = await _thread(source_layout_of, d.cache, source, body.engine, reader)
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select, layout=layout)
         async with slot:  # (with a remote tier the key is needed first: the tier is asked by key)
             ident = await service.identify(source, defer=service.tier is None, reader=reader)
@@ -370,7 +371,12 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         joins = job is not None and job.active
         with _reserved(caller, key):
             planned = None
-            if body.engine != "raw" and not joins:
+            if body.engine is None and not joins:  # refused if an engine would load it wrong, without an error
+                async with d.source_slot(caller):  # (config.json and the tensor names: the conversion plans it once)
+                    refusal = await _thread(unnamed_refusal_of, d.cache, source, reader)
+                if refusal is not None:
+                    raise ApiError(422, "engine_needed", refusal)
+            elif body.engine != "raw" and not joins:
                 async with d.source_slot(caller):  # (it reads the source's headers)
                     planned, report = await _thread(plan_readiness, d, source, recipe, reader, identity=identity,
                                                     slot=slot)

@@ -1,5 +1,5 @@
 """The daemon's reads of a request's source before a job exists: its plan and the engines' readiness of the output
-(headers only), the layout an engine needs, and the real path of a source served as it is; and the refusal of an
+(headers only), and the real path of a source served as it is; and the refusal of an
 engine that would load the output wrong. Blocking: each runs in a source thread, opening the source through checked
 descriptors for the request's :class:`~transformd.daemon.fscreds.Reader`."""
 
@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 from .. import request
 from ..cache import Recipe, SourceIdentity
 from ..cache.securefs import reading_as
-from ..checkpoint.layout import Layout
 from ..engines import unnamed_refusal
 from .errors import ApiError, error_for_exception
 from .peers import unreadable
@@ -40,18 +39,6 @@ def plan_readiness(d: Daemon, source: str, recipe: Recipe, reader: Reader, *, id
     except Exception as e:
         raise error_for_exception(e) from e
     return planned, {name: r.as_dict() for name, r in request.readiness(planned, recipe).items()}
-
-
-def source_layout(d: Daemon, source: str, engine: str | None, reader: Reader) -> Layout:
-    """Blocking: :func:`transformd.checkpoint.plan.source_layout` of ``source``, read through checked descriptors with
-    the caller's reads (as-is when it cannot be opened: the request's own checks say why)."""
-    from ..checkpoint.plan import source_layout
-
-    try:
-        with reading_as(reader), d.cache.open_source(source) as tree:
-            return source_layout(tree.view(), engine)
-    except Exception:
-        return Layout.AS_IS
 
 
 def readable_source(d: Daemon, source: str, reader: Reader) -> str:
