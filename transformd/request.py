@@ -53,7 +53,8 @@ if TYPE_CHECKING:
     from .engines import EngineReadiness
     from .remote import Remote
 
-__all__ = ["Tier", "bind", "check_engine", "find", "identify", "plan", "produce", "readiness", "recorded_readiness"]
+__all__ = ["Tier", "bind", "check_engine", "find", "identify", "plan", "produce", "readiness", "recorded_readiness",
+           "unnamed_refusal"]
 
 
 def identify(cache: Cache, src: str | os.PathLike[str], *, defer: bool = False) -> SourceIdentity | PendingIdentity:
@@ -101,6 +102,26 @@ def check_engine(readiness: Mapping[str, EngineReadiness], engine: str | None, s
     from .checkpoint import check_engine as check
 
     check(dict(readiness), engine, Path(src), planned, target)
+
+
+def unnamed_refusal(cache: Cache, src: str | os.PathLike[str],
+                    allow: Callable[[AccessFacts], bool] | None = None) -> str | None:
+    """Step 4 for a request that names no engine: why it is refused (None: it is not) because an engine would load
+    the output wrong without an error, from ``src``'s config.json and tensor names alone
+    (:func:`transformd.checkpoint.plan.misloads_of_source`: the conversion plans every header once). A source that
+    cannot be read, or that ``allow(facts)`` says the caller may not read, is None: the request's own checks and its
+    conversion say what is wrong, as before."""
+    from .checkpoint.plan import misloads_of_source
+    from .engines import unnamed_refusal as refusal_of
+
+    try:
+        with cache.open_source(src) as tree:
+            if allow is not None and not allow(tree.facts()):
+                return None
+            report = misloads_of_source(tree.view())
+    except Exception:  # noqa: BLE001 - see above
+        return None
+    return refusal_of(report, shapes=False)
 
 
 def readiness(planned: ConversionPlan, recipe: Recipe) -> dict[str, EngineReadiness]:

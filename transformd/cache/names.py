@@ -187,23 +187,31 @@ class NamesMixin:
         """Move the entries named otherwise than :meth:`entry_name` says (by their bare key: the layout before names;
         under another secret: one removed and made again) to their name, so none is left unreachable garbage; one
         whose name is taken already goes to the trash. Returns their keys."""
-        moved = []
-        with self._gc_lock():
-            try:
-                names = os.listdir(self.entries_dir)
-            except FileNotFoundError:
+        moved: list[str] = []
+        try:
+            if os.statvfs(self.root).f_flag & os.ST_RDONLY:  # (nothing can be moved there; its entries are read)
                 return moved
-            for name in names:
-                key = name[:KEY_HEX_LEN]
-                if not (KEY_RE.fullmatch(name) or NAME_RE.fullmatch(name)) or name == self.entry_name(key):
-                    continue
-                try:
-                    os.rename(self.entries_dir / name, self.entry_dir(key))
-                    moved.append(key)
-                except OSError as e:
-                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                        raise
-                    os.rename(self.entries_dir / name, self.trash_dir / f"{name}.{os.getpid()}.{secrets.token_hex(4)}")
-            if moved:
-                fsync_path(self.entries_dir)
+        except OSError:
+            pass
+        with self._gc_lock():
+            return self._migrate_locked(moved)
+
+    def _migrate_locked(self, moved: list[str]) -> list[str]:
+        try:
+            names = os.listdir(self.entries_dir)
+        except FileNotFoundError:
+            return moved
+        for name in names:
+            key = name[:KEY_HEX_LEN]
+            if not (KEY_RE.fullmatch(name) or NAME_RE.fullmatch(name)) or name == self.entry_name(key):
+                continue
+            try:
+                os.rename(self.entries_dir / name, self.entry_dir(key))
+                moved.append(key)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                os.rename(self.entries_dir / name, self.trash_dir / f"{name}.{os.getpid()}.{secrets.token_hex(4)}")
+        if moved:
+            fsync_path(self.entries_dir)
         return moved

@@ -314,6 +314,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str, tier: A
     from ..cache import Cache, CacheError, PendingIdentity, Recipe, TransformdConverter, cache_key
     from ..checkpoint import readiness_of_dir
     from ..checkpoint.plan import source_layout
+    from ..errors import CheckpointError
     from ..progress import ConvertProgress
 
     if args.overwrite:
@@ -339,9 +340,14 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str, tier: A
     slot = identity.slot(recipe) if isinstance(identity, PendingIdentity) else None  # (its conversion's name)
     entry = request.find(cache, known, recipe)  # a hit: the source was keyed and its entry found, neither done again
     planned = None
-    if args.engine != "raw":  # refuse before converting (headers only); the cache checks everything else
-        # a hit is checked against what its conversion recorded; no engine named: what one would load wrong
-        report = request.recorded_readiness(entry) if entry is not None else None
+    # refuse before converting (headers only); the cache checks everything else. A hit is checked against what its
+    # conversion recorded; no engine named: what one would load wrong (config.json and the tensor names)
+    report = request.recorded_readiness(entry) if entry is not None and args.engine != "raw" else None
+    if report is None and args.engine is None:
+        refusal = request.unnamed_refusal(cache, args.src)
+        if refusal is not None:
+            raise CheckpointError(refusal, file=args.src)
+    elif args.engine != "raw":
         if report is None:  # read once, from the files identified, and handed to the conversion below
             planned = request.plan(cache, args.src, recipe, identity=known, slot=slot)
             report = request.readiness(planned, recipe)

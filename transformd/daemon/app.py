@@ -162,7 +162,6 @@ def create_app(
     )
     daemon = Daemon(settings, cache, service, entries, metrics, policy, settings.device, platform or detect_platform())
     daemon.hub = HubResolver(settings.hub_cache_dir(), policy.roots, allow_download=settings.allow_download)
-    log.info("callers' reads: %s", caller_reads())  # (probed once, at start: see .fscreds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -175,6 +174,7 @@ def create_app(
             await anyio.to_thread.run_sync(daemon.refresh_gauges)
         log.info("transformd %s: cache %s, allowed roots %s%s", __version__, cache.root, policy.describe(),
                  "" if tier is None else f", remote tier {tier.remote.url}{' (read-only)' if tier.read_only else ''}")
+        log.info("callers' reads: %s", caller_reads())  # (probed once, at start: see .fscreds)
         try:
             yield
         finally:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..cache.securefs import reading_as
 from ..checkpoint.layout import Layout
-from ..engines import unnamed_refusal
 
 if TYPE_CHECKING:
     from .fscreds import Reader
@@ -18,19 +17,12 @@ __all__ = ["source_layout_of", "unnamed_refusal_of"]
 
 
 def unnamed_refusal_of(cache: Any, source: str, reader: Reader) -> str | None:
-    """Blocking: why a request that names no engine is refused (None: it is not), from ``source``'s config.json and
-    tensor names (:func:`transformd.checkpoint.plan.misloads_of_source`: no plan of every header, which the
-    conversion makes once), read for ``reader`` (a source it may not read: None, its own checks refuse it)."""
-    from ..checkpoint.plan import misloads_of_source
+    """Blocking: :func:`transformd.request.unnamed_refusal` of ``source``, read for ``reader`` (a source it may not
+    read: None, its own checks refuse it)."""
+    from ..request import unnamed_refusal
 
-    try:
-        with reading_as(reader), cache.open_source(source) as tree:
-            if reader.denied(tree.facts()) is not None:
-                return None
-            report = misloads_of_source(tree.view())
-    except Exception:
-        return None
-    return unnamed_refusal(report, shapes=False)
+    with reading_as(reader):
+        return unnamed_refusal(cache, source, allow=lambda facts: reader.denied(facts) is None)
 
 
 def source_layout_of(cache: Any, source: str, engine: str | None, reader: Reader) -> Layout:

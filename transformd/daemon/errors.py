@@ -100,17 +100,19 @@ def _allowed_methods(request: Request) -> list[str]:
 
 #: Characters of a request's source that a log line quotes.
 _LOGGED_SOURCE_CHARS = 300
+#: Largest body whose ``source`` a log line quotes (a request's body is a few hundred bytes).
+_LOGGED_BODY_BYTES = 64 * 1024
 
 
 def _source_given(request: Request) -> str | None:
     """The ``source`` of the request's JSON body as the caller gave it, when the route read the body (starlette keeps
     a body it received on the request; one never received is not waited for here)."""
     body = getattr(request, "_body", None)
-    if not body:
+    if not body or len(body) > _LOGGED_BODY_BYTES:
         return None
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (a body nested past the parser's depth is refused too: no source said)
         return None
     source = data.get("source") if isinstance(data, dict) else None
     return source[:_LOGGED_SOURCE_CHARS] if isinstance(source, str) else None
