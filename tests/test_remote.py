@@ -79,7 +79,7 @@ def test_publish_then_fetch_is_bit_identical(remote_url: str, tmp_path: Path) ->
     assert all(not os.stat(p).st_mode & 0o222 for p in (stage / CHECKPOINT_DIR).rglob("*"))  # sealed, read-only
     # the caller's one-rename publish makes it an entry a cache serves and verifies
     cache2 = Cache(tmp_path / "node2-cache", converter=CopyConverter())
-    os.rename(stage, cache2.entries_dir / entry.key)
+    os.rename(stage, cache2.entry_dir(entry.key))  # (entries/<key>-<tag>: cache.names)
     got = cache2.get(entry.key)
     assert got is not None and _files(got.path) == _files(entry.path)
     assert [r.ok for r in cache2.verify(entry.key)] == [True]

@@ -246,7 +246,7 @@ def test_a_source_swapped_after_its_check_is_not_converted_for_the_caller(daemon
         elif when in ("conversion", "keyed conversion"):
             swapping_first(service_module.ConversionService, "_run")
         else:
-            swapping_first(app_module, "_plan_readiness")
+            swapping_first(app_module, "plan_readiness")
         daemon = daemons.start(cache_dir=base / "cache", allow_roots=[allowed], prefix="tdsw-", log_level="critical")
         if when != "keyed conversion":  # converted as it is hashed (real checkpoints: from 256 MiB on)
             daemon.daemon.cache.hash_alongside_min_bytes = 0

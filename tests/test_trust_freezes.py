@@ -259,7 +259,7 @@ def test_a_callers_engine_checks_take_its_source_slots_and_its_own_conversion_is
 
     monkeypatch.setattr(state, "SOURCE_WORK_PER_CALLER", 2)
     running, peak, lock = [0], [0], threading.Lock()
-    real = app_module._plan_readiness
+    real = app_module.plan_readiness
 
     def counted(*args, **kwargs):
         with lock:
@@ -272,7 +272,7 @@ def test_a_callers_engine_checks_take_its_source_slots_and_its_own_conversion_is
             with lock:
                 running[0] -= 1
 
-    monkeypatch.setattr(app_module, "_plan_readiness", counted)
+    monkeypatch.setattr(app_module, "plan_readiness", counted)
     base = short_tempdir("tde-")
     os.chmod(base, 0o755)
     models = base / "models"
