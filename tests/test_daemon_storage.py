@@ -227,7 +227,7 @@ def test_cache_directory_deleted_under_the_running_daemon(start, tmp_path: Path,
         assert listing.status_code == 200 and listing.json()["entries"] == [], listing.text
         assert http.get("/metrics").status_code == 200
         again = _resolve(http, models / "m0")  # the next conversion recreates the directory
-        assert again["state"] == "ready" and again["key"] == a["key"]
+        assert again.get("state") == "ready" and again["key"] == a["key"], again
         assert http.get("/healthz").status_code == 200
         assert [e["key"] for e in http.get("/v1/cache").json()["entries"]] == [a["key"]]
 

@@ -57,7 +57,9 @@ class EntryInfo:
     created_at: float
     timings: dict[str, float]
     files: tuple[FileRecord, ...]
-    manifest_id: tuple[int, int]
+    #: the manifest's (device, inode, change time in ns): another publication of the key is another manifest, even
+    #: where the file system gives it the inode of a removed one
+    manifest_id: tuple[int, int, int]
     #: each file's path and (size, inode, change time in ns) when this process first served the entry
     stamps: tuple[tuple[str, tuple[int, int, int]], ...] = ()
 
@@ -145,7 +147,7 @@ class EntryIndex:
         self.cache = cache
         self._lock = threading.Lock()
         self._infos: collections.OrderedDict[str, EntryInfo] = collections.OrderedDict()
-        self._bodies: dict[tuple[str, tuple[int, int], str], bytes] = {}
+        self._bodies: dict[tuple[str, tuple[int, int, int], str], bytes] = {}
         #: entries whose digests were (or are being) verified since this daemon started
         self._verified: set[str] = set()
         self._verify_queue: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -164,7 +166,7 @@ class EntryIndex:
             st = os.stat(entry.root / MANIFEST_NAME)
         except OSError:
             return None
-        mid = (st.st_dev, st.st_ino)
+        mid = (st.st_dev, st.st_ino, st.st_ctime_ns)
         with self._lock:
             info = self._infos.get(key)
             if info is not None and info.manifest_id == mid:
