@@ -175,6 +175,11 @@ def default_hub_cache(environ: Mapping[str, str] | None = None) -> Path:
     return Path(os.path.expanduser(os.path.expandvars(home))) / "hub"
 
 
+def is_full_commit(revision: str | None) -> bool:
+    """Whether ``revision`` is a full commit hash (40 lowercase hex digits), not a branch, a tag or a prefix."""
+    return revision is not None and _COMMIT.fullmatch(revision) is not None
+
+
 def is_repo_id(source: str | os.PathLike[str], *, paths_exist: bool = True) -> bool:
     """Whether ``source`` names a repo rather than a directory (the rule in the module docstring; no
     huggingface_hub, no validation beyond the shape: :func:`check_repo_id` says what is wrong with it).

@@ -268,9 +268,9 @@ def _by_alias(args: argparse.Namespace, tier: Any) -> int | None:
     """``convert org/Model --revision COMMIT`` with no snapshot of it here: the entry the tier's alias record names
     (converted by another node), into the cache; None when the tier has none (the hub's error is then said)."""
     from ..cache import Cache, Recipe
-    from ..hub import is_repo_id
+    from ..hub import is_full_commit, is_repo_id
 
-    if args.out is not None or not is_repo_id(args.src, paths_exist=False) or not _full_commit(args.revision):
+    if args.out is not None or not is_repo_id(args.src, paths_exist=False) or not is_full_commit(args.revision):
         return None
     target, why = _choose_target(args)  # (the platform's and the engine's: no source needed)
     if target is None:
@@ -287,16 +287,13 @@ def _by_alias(args: argparse.Namespace, tier: Any) -> int | None:
             break
     if entry is None:
         return None
+    report = _readiness_of(entry)
     if args.engine != "raw":  # (what its conversion recorded: an engine that would load it wrong is refused)
-        check_engine(_readiness_of(entry), args.engine, entry.path)
-    _print_outcome(_readiness_of(entry), args.engine, target, why)
+        check_engine(report, args.engine, entry.path)
+    _print_outcome(report, args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     print(entry.path)
     return EXIT_OK
-
-
-def _full_commit(revision: str | None) -> bool:
-    return revision is not None and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
 
 
 def _readiness_of(entry: Any) -> Any:
@@ -312,7 +309,6 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str, tier: A
     cache as the converter when there is one."""
     from .. import request
     from ..cache import Cache, CacheError, PendingIdentity, Recipe, TransformdConverter, cache_key
-    from ..checkpoint import readiness_of_dir
     from ..checkpoint.plan import source_layout
     from ..errors import CheckpointError
     from ..progress import ConvertProgress
@@ -371,7 +367,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str, tier: A
                                   read_ahead=known is not None) as update:
             entry = request.produce(cache, args.src, recipe, identity=known, planned=planned, progress=update,
                                     tier=tier, **expect)
-    _print_outcome(request.recorded_readiness(entry) or readiness_of_dir(entry.path), args.engine, target, why)
+    _print_outcome(_readiness_of(entry), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:
         from ..report import compare_checkpoints

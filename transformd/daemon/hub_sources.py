@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,6 @@ if TYPE_CHECKING:
     from .fscreds import Reader
     from .state import Daemon
 
-_FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 async def hub_source(d: Daemon, source: str, revision: str | None, reader: Reader, *, recipes: Sequence[Any] = ()
@@ -66,11 +64,11 @@ async def hub_alias(d: Daemon, source: str, revision: str | None, recipes: Seque
     """With a remote tier, a repo id at a full commit that the hub cache does not hold (``error``: hub_source's 404,
     so the caller may search the hub cache): the key of the tier's alias record of the first of ``recipes`` that has
     one, the answer's ``hub`` (no snapshot) and that recipe; None otherwise (the caller raises ``error``)."""
-    from ..hub import is_repo_id
+    from ..hub import is_full_commit, is_repo_id
 
     tier = d.service.tier
     if (tier is None or error.status != 404 or revision is None
-            or not _FULL_COMMIT.fullmatch(revision) or not is_repo_id(source, paths_exist=False)):
+            or not is_full_commit(revision) or not is_repo_id(source, paths_exist=False)):
         return None
     for recipe in recipes:
         key = await anyio.to_thread.run_sync(tier.alias_key, source, revision, recipe,
