@@ -30,7 +30,6 @@ from ..engines import Platform, choose_target
 from ..hub import HubResolver
 from ..platform import detect_platform
 from .docs import install_docs
-from .engine_checks import source_layout_of, unnamed_refusal_of
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
 from .hub_sources import alias_of, hub_source, remember_hub, with_hub
@@ -54,7 +53,7 @@ from .service import ConversionService
 from .settings import Settings
 from .shards import TransformdShardConverter
 from .state import Daemon
-from .sources import check_engine, plan_readiness, readable_source
+from .sources import check_engine, plan_readiness, readable_source, source_layout_of, unnamed_refusal_of
 from .views import entry_view, foreign_view, job_file, job_files, job_view, passthrough_view
 
 #: Seconds between two refreshes of the cache size gauges by /metrics.

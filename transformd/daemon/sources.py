@@ -1,15 +1,18 @@
 """The daemon's reads of a request's source before a job exists: its plan and the engines' readiness of the output
-(headers only), and the real path of a source served as it is; and the refusal of an
-engine that would load the output wrong. Blocking: each runs in a source thread, opening the source through checked
-descriptors for the request's :class:`~transformd.daemon.fscreds.Reader`."""
+(headers only), the layout of ``--engine sglang``'s output, whether a request that names no engine is refused (from
+config.json and the tensor names), and the real path of a source served as it is; and the refusal of an engine that
+would load the output wrong. Blocking: each runs in a source thread, opening the source through checked descriptors
+for the request's :class:`~transformd.daemon.fscreds.Reader`. The layout and the no-engine check never fail a
+request themselves: a source that cannot be read is reported by the request's own checks and its conversion."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from .. import request
-from ..cache import Recipe, SourceIdentity
+from ..cache import Cache, Recipe, SourceIdentity
 from ..cache.securefs import reading_as
+from ..checkpoint.layout import Layout
 from ..engines import unnamed_refusal
 from .errors import ApiError, error_for_exception
 from .peers import unreadable
@@ -74,3 +77,24 @@ def check_engine(report: dict[str, Any] | None, engine: str | None) -> None:
             f"{engine} could not load the converted checkpoint at any tensor-parallel size: "
             + "; ".join(r["problems"][:3]),
         )
+
+
+def unnamed_refusal_of(cache: Cache, source: str, reader: Reader) -> str | None:
+    """Blocking: :func:`transformd.request.unnamed_refusal` of ``source``, read for ``reader`` (a source it may not
+    read: None, its own checks refuse it)."""
+    with reading_as(reader):
+        return request.unnamed_refusal(cache, source, allow=lambda facts: reader.denied(facts) is None)
+
+
+def source_layout_of(cache: Cache, source: str, engine: str | None, reader: Reader) -> Layout:
+    """Blocking: :func:`transformd.checkpoint.plan.source_layout` of ``source``, read for ``reader`` (as-is when it
+    cannot be read, or the caller may not read it: the request's own checks say why)."""
+    from ..checkpoint.plan import source_layout
+
+    try:
+        with reading_as(reader), cache.open_source(source) as tree:
+            if reader.denied(tree.facts()) is not None:
+                return Layout.AS_IS
+            return source_layout(tree.view(), engine)
+    except Exception:
+        return Layout.AS_IS
