@@ -128,6 +128,63 @@ def test_parallel_ranges_and_a_server_without_them(remote_url: str, tmp_path: Pa
     assert _files(tmp_path / "stage2" / CHECKPOINT_DIR) == _files(entry.path)
 
 
+@pytest.mark.parametrize("order", ["in order", "reversed", "shuffled", "threads"])
+def test_parts_hashed_in_file_order_whatever_order_they_arrive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               order: str) -> None:
+    """The ranged download's hash (fetch._InOrderHash) is the BLAKE3 of the whole file whatever order its parts
+    arrive in (one thread, or eight at once), and exactly one arrival (the one that completes it) gets it."""
+    import random
+
+    import blake3
+
+    monkeypatch.setattr(fetch_mod, "RANGE_BYTES", 4096)
+    data = os.urandom(37 * 4096 + 123)  # a short last part
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        starts = list(range(0, len(data), 4096))
+        if order == "reversed":
+            starts.reverse()
+        elif order != "in order":
+            random.Random(7).shuffle(starts)
+        hashing = fetch_mod._InOrderHash(fd, len(data))
+        part = lambda s: hashing.arrived(s, memoryview(data[s:s + 4096]))  # noqa: E731
+        if order == "threads":
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(part, starts))
+        else:
+            got = [part(s) for s in starts]
+    finally:
+        os.close(fd)
+    digests = [g for g in got if g is not None]
+    assert digests == ["blake3:" + blake3.blake3(data).hexdigest()]
+    assert hashing.hashed == len(data) and not hashing.waiting
+
+
+def test_a_damaged_part_of_a_ranged_download_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte changed in the middle of a shard that is fetched in ranges (a shared directory answers them): the
+    digest taken while the parts arrive differs from the manifest's; nothing is kept."""
+    monkeypatch.setattr(fetch_mod, "RANGE_BYTES", 64 * 1024)
+    entry = _entry(tmp_path, shard_bytes=1_000_000)
+    (tmp_path / "shared").mkdir()
+    remote = Remote.from_url(f"file://{tmp_path / 'shared'}")
+    remote.publish(entry.key, entry.root)
+    shard = max(entry.manifest.files, key=lambda r: r.size)
+    obj = tmp_path / "shared" / "entries" / entry.key / CHECKPOINT_DIR / shard.name
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 1
+    os.chmod(obj, 0o644)
+    obj.write_bytes(bytes(data))
+    stage = tmp_path / "stage"
+    with pytest.raises(RemoteCorruptError, match="differs from the manifest") as info:
+        Remote.from_url(f"file://{tmp_path / 'shared'}").fetch(entry.key, stage)
+    assert shard.name in str(info.value)
+    assert list(stage.iterdir()) == []
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove", "extend"])
 def test_a_damaged_remote_file_is_an_error_and_nothing_is_kept(s3: S3Server, tmp_path: Path, damage: str) -> None:
     """An object of the entry replaced (through the S3 API) by other bytes, fewer, more, or removed."""

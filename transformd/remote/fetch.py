@@ -4,9 +4,11 @@
 (:func:`.names.check_file_names`), sizes, digests' form), then downloads every file in parallel: a large file in
 ranges of :data:`RANGE_BYTES` written in place (``pwrite``) by :data:`STREAMS` threads, a small one (or every file
 of a server that cannot answer ranges) as one stream. Each file is hashed (BLAKE3, as :meth:`Cache._seal
-<transformd.cache.store.Cache._seal>` did where it was converted) as soon as its last byte is written, while the
-others download (a file read as one stream is hashed as its bytes arrive), and compared with the manifest's size
-and digest. The staging directory then holds
+<transformd.cache.store.Cache._seal>` did where it was converted) as its bytes arrive, in order: a part that
+arrives after every part before it is hashed from memory by the thread that fetched it, which then hashes the
+parts already waiting on disk behind it (read back from the page cache); so the check is done when the last part
+is, not one more pass over the file after it. Each file is then compared with the manifest's size and digest.
+The staging directory then holds
 ``checkpoint/`` and ``manifest.json`` exactly as a sealed local entry (read-only files, fsynced), for the cache's
 one-rename publish; on any failure everything written into it is removed before the error is raised.
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 import blake3
 
 from .._durable import fsync_path, rmtree_force
-from ..cache.keys import FileRecord, hash_own_file, validate_key
+from ..cache.keys import FileRecord, validate_key
 from ..cache.manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest
 from . import names
 from .errors import RemoteCorruptError, RemoteError
@@ -86,7 +88,7 @@ class _Download:
         self.files_done = 0
         self.t0 = time.monotonic()
         self.fds: dict[str, int] = {}
-        self.parts_left: dict[str, int] = {}
+        self.hashing: dict[str, _InOrderHash] = {}
         self.stop = threading.Event()
 
     def run(self, pool: ThreadPoolExecutor) -> bool:
@@ -101,9 +103,8 @@ class _Download:
                 self.fds[rec.name] = fd
                 if self.ranges and rec.size > RANGE_BYTES:
                     os.ftruncate(fd, rec.size)
-                    starts = range(0, rec.size, RANGE_BYTES)
-                    self.parts_left[rec.name] = len(starts)
-                    jobs += [pool.submit(self._part, rec, s, min(rec.size, s + RANGE_BYTES)) for s in starts]
+                    self.hashing[rec.name] = _InOrderHash(fd, rec.size)
+                    jobs += [pool.submit(self._part, rec, s) for s in range(0, rec.size, RANGE_BYTES)]
                 else:
                     jobs.append(pool.submit(self._whole, rec))
             done, _ = wait(jobs, return_when=FIRST_EXCEPTION)
@@ -120,9 +121,10 @@ class _Download:
             for fd in self.fds.values():
                 os.close(fd)
 
-    def _part(self, rec: FileRecord, start: int, end: int) -> None:
+    def _part(self, rec: FileRecord, start: int) -> None:
         if self.stop.is_set():
             return
+        end = min(rec.size, start + RANGE_BYTES)
         obj = names.file_name(self.manifest.key, rec.name)
         data = self.store.read_range(obj, start, end)
         if len(data) != end - start:
@@ -130,11 +132,9 @@ class _Download:
                                      f"{len(data)} bytes (the manifest says the file is {rec.size} bytes)")
         _pwrite_all(self.fds[rec.name], data, start)
         self._advance(len(data))
-        with self.lock:
-            self.parts_left[rec.name] -= 1
-            last = self.parts_left[rec.name] == 0
-        if last:
-            self._check(rec)
+        digest = self.hashing[rec.name].arrived(start, data)
+        if digest is not None:
+            self._check(rec, digest)
 
     def _whole(self, rec: FileRecord) -> None:
         obj = names.file_name(self.manifest.key, rec.name)
@@ -152,8 +152,8 @@ class _Download:
             self._advance(len(chunk))
         self._check(rec, "blake3:" + h.hexdigest())
 
-    def _check(self, rec: FileRecord, digest: str | None = None) -> None:
-        """Check the file's size and digest (``digest``: taken as it was written, else read from the file)."""
+    def _check(self, rec: FileRecord, digest: str) -> None:
+        """Check the file's size and ``digest`` (taken as its bytes were written)."""
         obj = names.file_name(self.manifest.key, rec.name)
         fd = self.fds[rec.name]
         size = os.fstat(fd).st_size
@@ -161,8 +161,6 @@ class _Download:
             raise RemoteCorruptError(f"remote {self.store.url}: {obj} is {size} bytes, its manifest says {rec.size} "
                                      "(truncated or replaced); nothing was kept")
         os.fsync(fd)
-        if digest is None:
-            digest = hash_own_file(self.out / rec.name)
         if digest != rec.digest:
             raise RemoteCorruptError(f"remote {self.store.url}: {obj}: content digest {digest} differs from the "
                                      f"manifest's {rec.digest}; nothing was kept")
@@ -182,6 +180,52 @@ class _Download:
             p = FetchProgress(self.manifest.key, self.bytes_done, self.manifest.total_bytes, self.files_done,
                               len(self.manifest.files), time.monotonic() - self.t0)
             self.progress(p)
+
+
+class _InOrderHash:
+    """One file's BLAKE3, fed in file order while its parts (of :data:`RANGE_BYTES`) arrive in any order.
+
+    :meth:`arrived` is called once per part, after the part is written to ``fd``. The thread whose part is next in
+    order hashes it from memory, then the parts that arrived before it (read back from ``fd``); a thread that finds
+    another hashing leaves its part to that one, which looks again after it lets go (so no part is left behind).
+    The caller whose call hashes the file's last byte gets the digest."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+        self.h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self.hashed = 0  # bytes of the file hashed so far (a part's start, or the size when done)
+        self.waiting: set[int] = set()  # starts of parts written and not yet hashed
+        self.lock = threading.Lock()  # guards hashed and waiting
+        self.turn = threading.Lock()  # held by the one thread feeding the hash
+
+    def arrived(self, start: int, data: memoryview) -> str | None:
+        with self.lock:
+            self.waiting.add(start)
+        mine: memoryview | None = data
+        while self.turn.acquire(blocking=False):
+            try:
+                while True:
+                    with self.lock:
+                        at = self.hashed
+                        if at not in self.waiting:
+                            break
+                        self.waiting.discard(at)
+                    n = min(RANGE_BYTES, self.size - at)
+                    part = mine if mine is not None and at == start else os.pread(self.fd, n, at)
+                    if len(part) != n:
+                        raise RemoteCorruptError(f"{n} bytes at {at} read back as {len(part)}")
+                    self.h.update(part)
+                    with self.lock:
+                        self.hashed = at + n
+                    if self.hashed == self.size:
+                        return "blake3:" + self.h.hexdigest()
+                mine = None
+            finally:
+                self.turn.release()
+            with self.lock:  # a part that arrived while this thread held the turn
+                if self.hashed not in self.waiting:
+                    return None
+        return None
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
