@@ -524,3 +524,31 @@ def test_a_request_reads_a_fresh_source_once_to_key_it_and_plans_it_once(start, 
     assert len(plans) == 1, plans
     shards = {p.name for p in src.glob("*.safetensors")}
     assert len(shards) == 2 and shards <= {p.name for p in Path(body["path"]).iterdir()}
+
+
+def test_a_status_request_that_waits_answers_when_the_conversion_ends(start, models: Path) -> None:
+    """``GET /v1/checkpoints/{key}?wait=S`` answers when the job ends (ready), not at the client's next poll and not
+    after S; while it goes on, after S with its progress; ``wait`` outside 0..10 is a 400 that names it."""
+    import time
+
+    from .support.fakes import CopyConverter
+
+    daemon = start(converter=CopyConverter(delay=0.3, steps=6))  # (a conversion of a few seconds)
+    with daemon.client() as http:
+        r = http.post("/v1/checkpoints", json={"source": str(models / "sample")})
+        assert r.status_code == 202, r.text
+        key = r.json()["key"]
+        t0 = time.monotonic()
+        s = http.get(f"/v1/checkpoints/{key}", params={"wait": 0.3})
+        assert s.status_code == 200 and s.json()["state"] in ("queued", "converting"), s.text
+        assert time.monotonic() - t0 >= 0.25  # it waited
+        t0 = time.monotonic()
+        s = http.get(f"/v1/checkpoints/{key}", params={"wait": 10}, timeout=30)
+        took = time.monotonic() - t0
+        assert s.status_code == 200 and s.json()["state"] == "ready", s.text
+        assert took < 9, took  # answered when the conversion ended, not after the 10 s it was allowed
+        assert http.get(f"/v1/checkpoints/{key}", params={"wait": 10}).json()["state"] == "ready"  # (at once)
+        for bad in (-1, 10.5, "soon"):
+            r = http.get(f"/v1/checkpoints/{key}", params={"wait": bad})
+            assert r.status_code == 400 and "wait" in r.text, (bad, r.text)
+    daemon.stop()

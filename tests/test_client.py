@@ -610,3 +610,29 @@ def test_an_answer_of_another_shape_is_the_daemons_error_in_one_line(answer, mes
             td.resolve("/models/x", timeout=5)
     assert message in str(info.value) and "\n" not in str(info.value)
     assert len(posts) <= 2
+
+
+def test_resolve_asks_to_be_answered_at_the_end_and_still_paces_an_older_daemon():
+    """Each poll asks the daemon to answer when the conversion ends (``?wait=``, at most the poll interval); a
+    daemon that answers at once anyway (older, without ``wait``) is not polled in a tight loop."""
+    import time
+
+    import httpx
+
+    gets: list[httpx.URL] = []
+    ready_at = time.monotonic() + 1.0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        key = "0" * 32
+        if request.method == "POST":
+            return httpx.Response(202, json={"key": key, "state": "queued"})
+        gets.append(request.url)
+        if time.monotonic() < ready_at:
+            return httpx.Response(200, json={"key": key, "state": "converting"})
+        return httpx.Response(200, json={"key": key, "state": "ready", "path": "/cache/entries/x/checkpoint"})
+
+    with TransformdClient(socket="/nonexistent.sock", transport=httpx.MockTransport(handler)) as td:
+        assert td.resolve("/models/x", poll_interval=0.2, timeout=30) == Path("/cache/entries/x/checkpoint")
+    waits = [float(u.params["wait"]) for u in gets]
+    assert all(0 < w <= 0.2 for w in waits), waits
+    assert 3 <= len(gets) <= 15, len(gets)  # ~1 s at 0.05, 0.1, 0.2, 0.2, ... (a tight loop: thousands)

@@ -383,8 +383,9 @@ class TransformdClient:
         """The converted checkpoint directory of ``source``: converted now, or taken from the cache.
 
         Posts the request, then polls ``GET /v1/checkpoints/{key}`` every ``poll_interval`` seconds
-        (the first polls come sooner, so a short conversion is not held up) until the entry is
-        ready, calling ``progress(status)`` after every answer. Raises
+        (the first polls come sooner) until the entry is ready, calling ``progress(status)`` after every
+        answer; each poll asks the daemon to answer as soon as the conversion ends, so the end is seen
+        at once, not at the next poll. Raises
         :class:`ConversionFailedError` (with the daemon's status/code/message) when the conversion
         fails, :class:`ResolveTimeoutError` after ``timeout`` seconds (``None``: wait for as long as
         it takes), and any other :class:`TransformdError` for a refused request.
@@ -462,14 +463,18 @@ class TransformdClient:
                     f"gave up waiting for {source} after {timeout:g}s: entry {status.key} is {status.state}{done}; "
                     f"the conversion goes on in the daemon",
                 )
-            time.sleep(delay)
+            if status is None:
+                time.sleep(delay)
+            asked, waited = time.monotonic(), delay
             delay = min(poll_interval, delay * 2)
             try:
                 if status is None:  # the daemon went away (or was stopping): post again to the one that answers
                     status = submit()
                 else:
-                    try:
-                        status = self.status(status.key)
+                    try:  # (the daemon answers when the conversion ends, or after ``waited`` seconds)
+                        status = self.status(status.key, wait=waited)
+                        if not (status.ready or status.failed):  # (a daemon that answered sooner: older, no wait)
+                            time.sleep(max(0.0, waited - (time.monotonic() - asked)))
                     except NotFoundError:
                         if lost is None:  # the daemon forgot the key: it restarted between two polls
                             went_away("restarted (it no longer knew the conversion)", last_seen)
@@ -534,9 +539,15 @@ class TransformdClient:
                 time.sleep(max(0.0, wait))
                 delay = min(delay * 2, 10.0)
 
-    def status(self, key: str) -> CheckpointStatus:
-        """``GET /v1/checkpoints/{key}``: state, progress, error, path when ready."""
-        return self._json(self._request("GET", f"{_API}/checkpoints/{key}"), CheckpointStatus.from_json)
+    def status(self, key: str, *, wait: float = 0.0) -> CheckpointStatus:
+        """``GET /v1/checkpoints/{key}``: state, progress, error, path when ready. ``wait``: the daemon answers when
+        a queued or converting entry ends, or after that many seconds (at most 10), whichever comes first."""
+        if wait <= 0:
+            return self._json(self._request("GET", f"{_API}/checkpoints/{key}"), CheckpointStatus.from_json)
+        wait = min(wait, 10.0)
+        limit = import_httpx().Timeout(self.timeout + wait, connect=self.timeout)
+        return self._json(self._request("GET", f"{_API}/checkpoints/{key}?wait={wait:g}", timeout=limit),
+                          CheckpointStatus.from_json)
 
     def files(self, key: str, *, wait: bool = False, poll_interval: float = 0.25,
               timeout: float | None = None) -> list[ShardFile]:

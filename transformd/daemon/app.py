@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import anyio
 import anyio.to_thread
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi import Path as FastApiPath
 from fastapi.responses import JSONResponse, Response
 
@@ -72,6 +72,13 @@ KeyParam = Annotated[
         description=f"cache key: {KEY_HEX_LEN} lowercase hex digits (else 400)",
         json_schema_extra={"pattern": f"^[0-9a-f]{{{KEY_HEX_LEN}}}$"},
     ),
+]
+#: Longest a status request waits for its conversion to end (``?wait=``): well inside a client's request timeout.
+MAX_STATUS_WAIT_S = 10.0
+WaitParam = Annotated[
+    float,
+    Query(ge=0, le=MAX_STATUS_WAIT_S, description="seconds to wait for a queued or converting checkpoint to end "
+          "(ready or failed) before answering its state; 0 (default): answer at once"),
 ]
 NameParam = Annotated[
     str,
@@ -402,10 +409,12 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         responses=_errors(400, 404),
         tags=["checkpoints"],
     )
-    async def get_checkpoint(key: KeyParam, request: Request) -> Response:
+    async def get_checkpoint(key: KeyParam, request: Request, wait: WaitParam = 0.0) -> Response:
         check_key(key)
         await authorize(request, key)
         job = service.job(key)
+        if job is not None and job.active and wait > 0:
+            await job.wait_ended(wait)
         if job is not None and job.active:
             return _json(job_view(job))
         info = await _thread(entries.info, key)

@@ -111,6 +111,8 @@ class Job:
         self.on_key: Callable[[str], None] | None = None
         #: called (from any thread) with the error when the job fails
         self.on_fail: Callable[[ApiError], None] | None = None
+        #: set once the job is ready or failed, for requests that wait for that (:meth:`wait_ended`; event loop)
+        self._ended: tuple[asyncio.Event, asyncio.AbstractEventLoop] | None = None
 
     @property
     def active(self) -> bool:
@@ -172,8 +174,26 @@ class Job:
         )
         self.finished_at = time.time()
         self.state = "ready"
+        self._tell_ended()
         if self.slot is not None and self.on_key is not None:
             self._tell_key(entry.key)  # (a content already cached is found before any status names its key)
+
+    async def wait_ended(self, timeout_s: float) -> None:
+        """Return once the job is ready or failed, or after ``timeout_s`` seconds (event loop; a status request that
+        waits answers the moment the job ends, instead of at the client's next poll)."""
+        if self._ended is None:
+            self._ended = (asyncio.Event(), asyncio.get_running_loop())
+        if not self.active:  # (ended before the event existed: its end did not set it)
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._ended[0].wait(), timeout_s)
+
+    def _tell_ended(self) -> None:
+        """Wake the requests in :meth:`wait_ended` (any thread; the state is already final)."""
+        if self._ended is not None:
+            event, loop = self._ended
+            with contextlib.suppress(RuntimeError):  # (a loop already closed: nobody waits)
+                loop.call_soon_threadsafe(event.set)
 
     def _tell_key(self, key: str) -> None:
         tell, self.on_key = self.on_key, None  # once
@@ -186,6 +206,7 @@ class Job:
         self._set_progress(phase="failed", eta_s=None, rate_bytes_per_s=None)
         self.finished_at = time.time()
         self.state = "failed"
+        self._tell_ended()
         if self.on_fail is not None:
             self.on_fail(error)
 
