@@ -252,10 +252,12 @@ def fetch_entry(store: ObjectStore, key: str, staging_dir: Path, progress: Calla
     out = staging_dir / CHECKPOINT_DIR
     if out.exists() or (staging_dir / MANIFEST_NAME).exists():
         raise FileExistsError(f"{staging_dir} already holds an entry")
-    big = next((r for r in manifest.files if r.size > RANGE_BYTES), None)
-    if ranges and big is not None:  # one byte first: a server that answers it whole is read one stream per file
+    if ranges and any(r.size > RANGE_BYTES for r in manifest.files):
+        # One byte of the smallest file first: a server that answers a range with the whole object (and its status)
+        # is read one stream per file; asked of a large file, that answer alone would be the whole file.
+        small = min((r for r in manifest.files if r.size), key=lambda r: r.size)
         try:
-            store.read_range(names.file_name(key, big.name), 0, 1)
+            store.read_range(names.file_name(key, small.name), 0, 1)
         except NotPartialError:
             ranges = False
     try:
