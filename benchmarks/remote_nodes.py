@@ -83,9 +83,9 @@ def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     return took, p.stdout.strip()
 
 
-def _resolve(daemon: DaemonProcess, env: dict[str, str]) -> tuple[float, Path]:
-    took, out = _timed([sys.executable, "-m", "transformd", "resolve", REPO_ID, "--revision", COMMIT, "--engine",
-                        "vllm", "--socket", str(daemon.socket_path), "--timeout", "3600"], env)
+def _resolve(daemon: DaemonProcess, env: dict[str, str], source: list[str]) -> tuple[float, Path]:
+    took, out = _timed([sys.executable, "-m", "transformd", "resolve", *source, "--engine", "vllm", "--socket",
+                        str(daemon.socket_path), "--timeout", "3600"], env)
     return took, Path(out)
 
 
@@ -120,6 +120,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="the hub cache, the nodes' caches and the downloads")
     ap.add_argument("--bucket-dir", default=None, help="where the S3 server keeps its objects (default: in --dir)")
     ap.add_argument("--skip-first", action="store_true", help="only round 1 of the first node (to fill the bucket)")
+    ap.add_argument("--by", choices=["repo", "path"], default="repo",
+                    help="name the checkpoint by repo id and commit (a hub cache; the second node has no source), "
+                         "or by its directory (both nodes hold the source: the second keys it, then downloads)")
     args = ap.parse_args()
     first: dict[str, list[float]] = {"without the tier": [], "with the tier (miss, convert, answer)": []}
     second: dict[str, list[float]] = {"second node: transformd resolve (tier, checked)": [],
@@ -136,9 +139,15 @@ def main() -> None:
         else:
             knobs = {"layers": args.layers, "experts": args.experts, "hidden": args.hidden,
                      "moe_intermediate": args.hidden // 2}
-        src = write_sample_checkpoint(tmp / "work" / "model", **knobs)
-        size = _into_hub(tmp / "models-a" / "hub", src)
-        (tmp / "models-b" / "hub").mkdir(parents=True)  # the second node's: empty
+        src = write_sample_checkpoint(tmp / ("work" if args.by == "repo" else "models-a") / "model", **knobs)
+        if args.by == "repo":
+            size = _into_hub(tmp / "models-a" / "hub", src)
+            source, second_models = [REPO_ID, "--revision", COMMIT], "models-b"
+        else:
+            size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+            source, second_models = [str(src)], "models-a"
+        for node in ("models-a", "models-b"):  # (the second node's: empty)
+            (tmp / node / "hub").mkdir(parents=True, exist_ok=True)
         print(f"sample: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         with S3Server(Path(bucket_s) / "s3") as server:
             env = {**server.env(), "HF_HUB_OFFLINE": "1"}
@@ -172,7 +181,7 @@ def main() -> None:
                     url = server.url(f"round{r}")
                     d = daemon(f"a{r}{int(tier)}", "models-a", url if tier else None)
                     try:
-                        took, path = _resolve(d, client_env)
+                        took, path = _resolve(d, client_env, source)
                         first[mode].append(took)
                         print(f"first node round {r + 1}, {mode}: {took:.2f} s", file=sys.stderr, flush=True)
                         if tier:  # the upload goes on after the answer: until its manifest (the commit) is there
@@ -196,9 +205,12 @@ def main() -> None:
             for r in range(args.rounds):
                 down = tmp / f"down{r}"
                 down.mkdir()
-                b = daemon(f"b{r}", "models-b", server.url("round0"))
+                b = daemon(f"b{r}", second_models, server.url("round0"))
                 try:
-                    took, path = _resolve(b, client_env)
+                    took, path = _resolve(b, client_env, source)
+                    with b.client() as http:
+                        hits = http.get("/v1/cache").json()["remote"]["hits"]
+                    assert hits == 1, f"the second node did not download the entry (remote hits: {hits})"
                 finally:
                     b.stop()
                 second["second node: transformd resolve (tier, checked)"].append(took)
@@ -222,13 +234,14 @@ def main() -> None:
                                                                  for k, v in second.items()), file=sys.stderr,
                       flush=True)
                 _rm(down)
-    where = f"daemons on --device {args.device}, rclone serve s3 on loopback"
+    where = f"daemons on --device {args.device}, rclone serve s3 on loopback, named by {args.by}"
     if not args.skip_first:
         _table(f"First node: {size / 2**30:.2f} GiB checkpoint, {where}; whole `transformd resolve` processes, "
                "interleaved", first, "without the tier", size)
         print(f"\nupload after the answer, until the manifest is in the bucket: "
               f"{' / '.join(f'{t:.2f}' for t in uploads)} s")
-    _table(f"Second node (empty cache, no source): the entry's {entry_bytes / 2**30:.2f} GiB, {where}; whole "
+    holds = "no source" if args.by == "repo" else "the source on its disk"
+    _table(f"Second node (empty cache, {holds}): the entry's {entry_bytes / 2**30:.2f} GiB, {where}; whole "
            "processes, interleaved", second, "plain download: obstore", entry_bytes)
 
 
