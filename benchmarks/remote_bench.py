@@ -54,7 +54,7 @@ from transformd.remote import Remote
 url, key, entry = sys.argv[1:4]
 assert Remote.from_url(url).publish(key, Path(entry))
 """
-_PLAIN = """
+PLAIN_CLIENT = """
 import os, sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -140,13 +140,13 @@ def main() -> None:
                 runs = {
                     "download: tier fetch (checked)": [py, "-c", _TIER_GET, url, entry.key, str(down / "stage"),
                                                        str(down / "entries")],
-                    "download: plain obstore": [py, "-c", _PLAIN, "get", server.bucket, objects, str(down / "plain")],
-                    "download: plain obstore, fsync": [py, "-c", _PLAIN, "get-fsync", server.bucket, objects,
+                    "download: plain obstore": [py, "-c", PLAIN_CLIENT, "get", server.bucket, objects, str(down / "plain")],
+                    "download: plain obstore, fsync": [py, "-c", PLAIN_CLIENT, "get-fsync", server.bucket, objects,
                                                        str(down / "plainsync")],
                     "download: rclone copy": [server.binary, "copy", f":s3:{server.bucket}/{objects}",
                                               str(down / "rclone"), "--transfers", "8"],
                     "upload: tier publish": [py, "-c", _TIER_PUT, server.url(f"up{i}"), entry.key, str(entry.root)],
-                    "upload: plain obstore": [py, "-c", _PLAIN, "put", server.bucket, f"plain{i}", str(entry.path)],
+                    "upload: plain obstore": [py, "-c", PLAIN_CLIENT, "put", server.bucket, f"plain{i}", str(entry.path)],
                     "upload: rclone copy": [server.binary, "copy", str(entry.path),
                                             f":s3:{server.bucket}/rclone{i}", "--transfers", "8"],
                 }
