@@ -5,8 +5,10 @@
    why; None when nothing is to be converted (native MX instructions: the engine loads the source itself). With
    the scale mode and the selection it makes the request's :class:`~transformd.cache.Recipe`.
 2. **source** (:func:`identify`): the source's content identity, or, for a large source new to the cache, a
-   :class:`~transformd.cache.PendingIdentity` (its conversion hashes it as it reads it, once); never with a remote
-   tier, which is asked by key (so a large source new to the node is read once to key it, then converted).
+   :class:`~transformd.cache.PendingIdentity` (its conversion hashes it as it reads it, once). With a remote tier
+   (:func:`key_first`), a source named by a repo id and a full commit is looked up by the tier's alias record
+   first: on a miss it is converted while it is hashed, as without a tier (the first node pays one small request);
+   when the tier has it, and for a path (the tier is asked by key), the source is hashed first.
 3. **look up** (:func:`find`): the local entry of that identity and recipe, if there is one (nothing converts).
 4. **plan and check** (:func:`plan`, :func:`check_engine`): the checkpoint's headers, read once through checked
    descriptors of the files the request identified; with an engine named, what it could not load is refused
@@ -53,8 +55,8 @@ if TYPE_CHECKING:
     from .engines import EngineReadiness
     from .remote import Remote
 
-__all__ = ["Tier", "bind", "check_engine", "find", "identify", "plan", "produce", "readiness", "recorded_readiness",
-           "unnamed_refusal"]
+__all__ = ["Tier", "bind", "check_engine", "find", "identify", "key_first", "plan", "produce", "readiness",
+           "recorded_readiness", "unnamed_refusal"]
 
 
 def identify(cache: Cache, src: str | os.PathLike[str], *, defer: bool = False) -> SourceIdentity | PendingIdentity:
@@ -63,6 +65,17 @@ def identify(cache: Cache, src: str | os.PathLike[str], *, defer: bool = False) 
     here, and a :class:`~transformd.cache.PendingIdentity` comes back. Raises what
     :meth:`~transformd.cache.Cache.identity` raises (a missing or unreadable source, a cache it cannot fit in)."""
     return cache.identity_unless_alongside(src) if defer else cache.identity(src)
+
+
+def key_first(tier: Tier | None, identity: SourceIdentity | PendingIdentity | None, alias: tuple[str, str] | None,
+              recipe: Recipe) -> bool:
+    """Step 2 with a remote tier: whether a source whose conversion would hash it as it reads it (``identity`` pending)
+    is hashed first instead, so that the tier can be asked by its key: a path, or a repo id at a full commit
+    (``alias``) whose alias record the tier holds. A repo id the tier has no record of is converted while it is
+    hashed, as without a tier (its entry is uploaded with the record). Asks the tier (blocking)."""
+    if tier is None or not isinstance(identity, PendingIdentity):
+        return False
+    return alias is None or tier.alias_key(*alias, recipe) is not None
 
 
 def find(cache: Cache, identity: SourceIdentity | PendingIdentity | None, recipe: Recipe) -> Entry | None:

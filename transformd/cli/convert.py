@@ -199,6 +199,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     args.engine = args.engine or engine_from_env()  # (the engine's container may name it once: TRANSFORMD_ENGINE)
     tier = _tier(args)
+    asked = args.src
     try:
         args.src = source_path(args.src, args.revision, note=sys.stderr)  # a repo id: its snapshot in the hub cache
     except RepoNotCachedError as err:  # (a relative name is a repo id unless it exists here: say so first)
@@ -214,7 +215,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         print(args.src)
         return EXIT_OK
     if args.out is None:
-        return _run_convert_cached(args, target, why, tier)
+        return _run_convert_cached(args, target, why, tier, _alias_of(asked, args.src))
     cache_only = [flag for flag, given in (("--cache-dir", args.cache_dir is not None), ("--no-daemon", args.no_daemon),
                                            ("--remote", tier is not None)) if given]
     if cache_only:
@@ -264,6 +265,17 @@ def _tier(args: argparse.Namespace) -> Any:
     return Tier.from_url(url, read_only=args.remote_read_only)
 
 
+def _alias_of(asked: str, snapshot: str) -> tuple[str, str] | None:
+    """The repo id and full commit of a request that named a repo id (``asked``) and got its hub snapshot, whose
+    directory is named by the commit; None for a path."""
+    from ..hub import is_full_commit, is_repo_id
+
+    commit = os.path.basename(os.path.normpath(snapshot))
+    if asked == snapshot or not is_repo_id(asked, paths_exist=False) or not is_full_commit(commit):
+        return None
+    return asked, commit
+
+
 def _by_alias(args: argparse.Namespace, tier: Any) -> int | None:
     """``convert org/Model --revision COMMIT`` with no snapshot of it here: the entry the tier's alias record names
     (converted by another node), into the cache; None when the tier has none (the hub's error is then said)."""
@@ -304,9 +316,10 @@ def _readiness_of(entry: Any) -> Any:
     return recorded_readiness(entry) or readiness_of_dir(entry.path)
 
 
-def _run_convert_cached(args: argparse.Namespace, target: str, why: str, tier: Any = None) -> int:
+def _run_convert_cached(args: argparse.Namespace, target: str, why: str, tier: Any = None,
+                        alias: tuple[str, str] | None = None) -> int:
     """``convert`` into the cache: the steps of :mod:`transformd.request`, with the daemon that serves the same
-    cache as the converter when there is one."""
+    cache as the converter when there is one. ``alias``: the repo id and full commit the source was named by."""
     from .. import request
     from ..cache import Cache, CacheError, PendingIdentity, Recipe, TransformdConverter, cache_key
     from ..checkpoint.plan import source_layout
@@ -322,12 +335,13 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str, tier: A
     # The source's identity when the stat cache knows its files or they are few (a large source new to the cache
     # is not read here: its conversion hashes it as it reads it), and the entry of that key if there is one.
     ours = cache.written_here()  # (another user's cache, a daemon's, is read by key only: its daemon keys, converts)
-    # (with a remote tier the key is needed before anything else: the tier is asked by key)
     bar = ConvertProgress(sys.stderr, every_s=args.progress_every)
     if ours:  # (hashing a source printed nothing: the bar is drawn from the start, each phase its label)
         bar.phase("hashing", _shard_bytes(args.src))
         try:
-            identity = request.identify(cache, args.src, defer=tier is None)
+            identity = request.identify(cache, args.src, defer=True)
+            if request.key_first(tier, identity, alias, recipe):  # (the tier is asked by key: hashed first)
+                identity = request.identify(cache, args.src)
         finally:
             bar.close(leave=False)  # (a daemon asked next shows its own; a conversion here draws the bar again)
     else:
@@ -366,7 +380,7 @@ def _run_convert_cached(args: argparse.Namespace, target: str, why: str, tier: A
         with bar, _while_starting(args.src, args.device, lambda status: bar.update(status.progress),
                                   read_ahead=known is not None) as update:
             entry = request.produce(cache, args.src, recipe, identity=known, planned=planned, progress=update,
-                                    tier=tier, **expect)
+                                    tier=tier, alias=alias, **expect)
     _print_outcome(_readiness_of(entry), args.engine, target, why)
     print(_cached_summary(entry), file=sys.stderr, flush=True)
     if args.report:

@@ -22,6 +22,7 @@ from fastapi import Path as FastApiPath
 from fastapi.responses import JSONResponse, Response
 
 from .. import request
+from ..request import key_first
 from ..cache import Cache, EntryLeasedError, EntryNotFoundError, PendingIdentity, Recipe, SourceIdentity, cache_key
 from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
@@ -284,8 +285,10 @@ def _routes(app: FastAPI, d: Daemon) -> None:
             async with slot:
                 layout = await _thread(source_layout_of, d.cache, source, body.engine, reader)
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select, layout=layout)
-        async with slot:  # (with a remote tier the key is needed first: the tier is asked by key)
-            ident = await service.identify(source, defer=service.tier is None, reader=reader)
+        async with slot:
+            ident = await service.identify(source, defer=True, reader=reader)
+            if await _thread(key_first, service.tier, ident, alias_of(hub), recipe):
+                ident = await service.identify(source, reader=reader)  # (the tier is asked by key: hashed first)
         if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
             answer = await _resolve_while_hashing(ident, source, recipe, reader, body, hub, reason)
             if answer is not None:
@@ -330,7 +333,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         slot = pending.slot(recipe)
         async with _admitted(reader, slot, source, body, recipe, slot=slot) as planned:
             job = await service.ensure_job(slot, pending.path, recipe, uid=caller.uid, provisional=True,
-                                           reader=reader, planned=planned)
+                                           reader=reader, planned=planned, alias=alias_of(hub))
         if job is None:
             return None
         key = await service.keyed(job)
