@@ -75,6 +75,7 @@ def _into_hub(hub: Path, checkpoint: Path) -> int:
 
 
 def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    os.sync()  # (what an earlier step left dirty, a plain download's 16 GiB say, is not written back during this one)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     took = time.perf_counter() - t0
