@@ -51,6 +51,35 @@ def fsync_path(path: Path | str) -> None:
         os.close(fd)
 
 
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        func = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return func  # type: ignore[no-any-return]
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``nbytes`` at ``offset`` of ``fd`` to the disk now, without waiting (Linux's
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; nothing elsewhere). A file written as fast as it arrives is otherwise
+    written back only once a tenth of the memory is dirty, so the fsync at its end waits for almost all of it (6.8 s
+    for 16 GiB on the H100 server); started as it goes, the writes overlap the arrival. Durability still comes from
+    the fsync; this only moves the work earlier."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # (an error here is the fsync's to report)
+
+
 def temporary_beside(path: Path) -> Path:
     """The temporary file :func:`write_json_atomic` writes before renaming it over ``path``: ``.tmp.NAME.PID.HEX``."""
     return path.with_name(f".tmp.{path.name}.{os.getpid()}.{secrets.token_hex(4)}")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import blake3
 
-from .._durable import fsync_path, rmtree_force
+from .._durable import fsync_path, rmtree_force, start_writeback
 from ..cache.keys import FileRecord, validate_key
 from ..cache.manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest
 from . import names
@@ -37,6 +37,8 @@ from .stores import NotPartialError, ObjectStore
 #: Parts of a file read at once, and how many at a time over all files.
 RANGE_BYTES = 32 << 20
 STREAMS = 8
+#: A file read as one stream starts its writes to the disk every this many bytes (:func:`start_writeback`).
+WRITEBACK_BYTES = 32 << 20
 #: Largest manifest the tier reads (a real one is tens of kilobytes).
 MAX_MANIFEST_BYTES = 64 << 20
 
@@ -131,6 +133,7 @@ class _Download:
             raise RemoteCorruptError(f"remote {self.store.url}: {obj}: bytes {start}-{end} came back as "
                                      f"{len(data)} bytes (the manifest says the file is {rec.size} bytes)")
         _pwrite_all(self.fds[rec.name], data, start)
+        start_writeback(self.fds[rec.name], start, len(data))
         self._advance(len(data))
         digest = self.hashing[rec.name].arrived(start, data)
         if digest is not None:
@@ -138,7 +141,7 @@ class _Download:
 
     def _whole(self, rec: FileRecord) -> None:
         obj = names.file_name(self.manifest.key, rec.name)
-        fd, offset = self.fds[rec.name], 0
+        fd, offset, flushed = self.fds[rec.name], 0, 0
         h = blake3.blake3()  # hashed as it arrives: no second read of the file
         for chunk in self.store.read_stream(obj):
             if self.stop.is_set():
@@ -149,6 +152,9 @@ class _Download:
             _pwrite_all(fd, chunk, offset)
             h.update(chunk)
             offset += len(chunk)
+            if offset - flushed >= WRITEBACK_BYTES:
+                start_writeback(fd, flushed, offset - flushed)
+                flushed = offset
             self._advance(len(chunk))
         self._check(rec, "blake3:" + h.hexdigest())
 
