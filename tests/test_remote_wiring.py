@@ -257,3 +257,36 @@ def test_an_entry_the_cache_cannot_hold_is_refused_before_its_download(s3: S3Ser
         tier.fetch(small, key, source=str(src))
     assert not list(small.staging_dir.iterdir()) and small.get(key) is None
     assert tier.counts["failures"] == 0 and tier.counts["hits"] == 0, tier.counts
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_serve_read_only_without_a_remote_is_refused_at_start(tmp_path: Path, monkeypatch, how: str) -> None:
+    """``serve --remote-read-only`` (or ``TRANSFORMD_REMOTE_READ_ONLY=1``) with no remote named anywhere: one line
+    naming the setting and what it needs, exit 2, nothing listening (before: the daemon started without a tier, the
+    setting silently ignored)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "models").mkdir()
+    sock = tmp_path / "td.sock"
+    argv = [sys.executable, "-m", "transformd", "serve", "--socket", str(sock), "--cache-dir", str(tmp_path / "cache"),
+            "--allow-root", str(tmp_path / "models"), "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFORMD_")}
+    if how == "flag":
+        argv.append("--remote-read-only")
+    else:
+        env["TRANSFORMD_REMOTE_READ_ONLY"] = "1"
+    if how == "environment":
+        env["TRANSFORMD_REMOTE"] = ""  # (set and empty: no remote either)
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = child.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        _, err = child.communicate()
+        pytest.fail(f"the daemon started without a remote tier: {err}")
+    assert child.returncode == 2, err
+    assert err.splitlines() == ["transformd: error: --remote-read-only (TRANSFORMD_REMOTE_READ_ONLY) needs a remote "
+                                "tier: pass --remote s3://BUCKET[/PREFIX] (or TRANSFORMD_REMOTE), or drop it"], err
+    assert not sock.exists()
