@@ -9,6 +9,7 @@ and the request converts locally; the failure is counted.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -290,3 +291,134 @@ def test_serve_read_only_without_a_remote_is_refused_at_start(tmp_path: Path, mo
     assert err.splitlines() == ["transformd: error: --remote-read-only (TRANSFORMD_REMOTE_READ_ONLY) needs a remote "
                                 "tier: pass --remote s3://BUCKET[/PREFIX] (or TRANSFORMD_REMOTE), or drop it"], err
     assert not sock.exists()
+
+
+def _published_alias(s3: S3Server, tmp_path: Path, prefix: str):
+    """A real entry (the copying fake converter) published to the tier with an alias record of org/Model@COMMIT;
+    returns the tier's URL, the entry and the alias's recipe."""
+    from tests.support.fakes import CopyConverter, write_source
+    from transformd.cache import Cache, Recipe
+    from transformd.remote import Remote
+
+    entry = Cache(tmp_path / "node-a", converter=CopyConverter()).get_or_convert(write_source(tmp_path / "src"))
+    url = s3.url(prefix)
+    recipe = Recipe()
+    assert Remote.from_url(url).publish(entry.key, entry.root, (REPO_ID, COMMIT, recipe)) is True
+    return url, entry, recipe
+
+
+def test_a_download_only_request_waits_for_another_process_that_holds_the_key(s3: S3Server, tmp_path: Path) -> None:
+    """A node with no snapshot (a repo id and commit, the tier's alias record gives the key) while another process of
+    its cache holds that key's lock (here a download under the real lock, held back until the test lets it go): the
+    request waits for it, as a conversion waits for one, and answers the entry it published, downloading nothing
+    itself (before: None at once, the hub's error or the daemon's job failed). Then, with a holder that gives up
+    (the lock released, no entry), the request downloads the entry itself."""
+    from transformd.cache import Cache
+    from transformd.cache.fetched import get_or_fetch
+    from transformd.cache.lock import FileLock
+    from transformd.remote import Remote
+    from transformd.request import Tier
+
+    url, entry, recipe = _published_alias(s3, tmp_path, "wait-published")
+    cache = Cache(tmp_path / "node-b")
+    entered, go, got = threading.Event(), threading.Event(), {}
+
+    def held_back(stage: Path, report, reserve) -> bool:
+        entered.set()
+        assert go.wait(60)
+        return Remote.from_url(url).fetch(entry.key, stage, before=lambda m: reserve(m.total_bytes))
+
+    holder = threading.Thread(target=lambda: got.setdefault("holder", get_or_fetch(cache, entry.key, held_back,
+                                                                                   source="the other process")))
+    holder.start()
+    assert entered.wait(30)
+    tier = Tier.from_url(url)
+    asking = threading.Thread(target=lambda: got.setdefault("request", tier.fetch_alias(cache, REPO_ID, COMMIT,
+                                                                                        recipe)))
+    asking.start()
+    time.sleep(1.0)
+    assert asking.is_alive() and "request" not in got, "it waits while the other holds the key"
+    go.set()
+    holder.join(60)
+    asking.join(60)
+    assert got["holder"].outcome == "fetched"
+    assert got["request"] is not None and got["request"].outcome == "waited", got
+    assert got["request"].path == got["holder"].path and _files(got["request"].path) == _files(entry.path)
+    assert tier.counts["hits"] == 0 and tier.counts["failures"] == 0, tier.counts  # (it downloaded nothing)
+    # a holder that gives up: the lock released with no entry published; the request then downloads it itself
+    cache = Cache(tmp_path / "node-c")
+    lock = FileLock(cache.locks_dir / f"{entry.key}.lock")
+    assert lock.try_acquire()
+    asking = threading.Thread(target=lambda: got.__setitem__("request", tier.fetch_alias(cache, REPO_ID, COMMIT,
+                                                                                         recipe)))
+    got.pop("request")
+    asking.start()
+    time.sleep(1.0)
+    assert asking.is_alive() and "request" not in got
+    lock.release()
+    asking.join(60)
+    assert got["request"] is not None and got["request"].outcome == "fetched", got
+    assert _files(got["request"].path) == _files(entry.path) and tier.counts["hits"] == 1, tier.counts
+
+
+def test_a_download_only_request_whose_key_stays_locked_ends_in_a_clear_timeout(s3: S3Server,
+                                                                              tmp_path: Path) -> None:
+    """Another process holds the key's lock and never lets it go: the wait ends after its bound (the ``timeout`` a
+    conversion's wait takes) with CacheTimeoutError naming the key and the cache, nothing downloaded or left."""
+    from transformd.cache import Cache, CacheTimeoutError
+    from transformd.cache.lock import FileLock
+    from transformd.request import Tier
+
+    url, entry, recipe = _published_alias(s3, tmp_path, "wait-forever")
+    cache = Cache(tmp_path / "node-b")
+    lock = FileLock(cache.locks_dir / f"{entry.key}.lock")
+    assert lock.try_acquire()
+    tier = Tier.from_url(url)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CacheTimeoutError) as info:
+            tier.fetch_alias(cache, REPO_ID, COMMIT, recipe, timeout=1.0)
+        assert time.monotonic() - t0 < 30
+    finally:
+        lock.release()
+    message = str(info.value)
+    assert "timed out after 1.0 s" in message and entry.key in message and str(cache.root) in message, message
+    assert "\n" not in message and cache.get(entry.key) is None and not list(cache.staging_dir.iterdir())
+    assert tier.counts["hits"] == 0, tier.counts
+
+
+def test_the_daemons_download_only_job_waits_for_a_key_another_process_holds(s3: S3Server, daemons: Daemons,
+                                                                           tmp_path: Path) -> None:
+    """The daemon's job for a repo id and commit it has no snapshot of, while another process of its cache holds
+    the key's lock: the job waits (``waiting`` for another process, not failed), and once the lock is let go with
+    no entry published, downloads the entry itself (before: the job failed at once, "the remote tier no longer
+    gives entry ...")."""
+    from tests.support.fakes import CopyConverter, write_source
+    from transformd.cache import Cache, Recipe
+    from transformd.cache.lock import FileLock
+    from transformd.remote import Remote
+
+    entry = Cache(tmp_path / "node-a", converter=CopyConverter()).get_or_convert(write_source(tmp_path / "src"),
+                                                                                  Recipe(target="ocp"))
+    url = s3.url("daemon-wait")
+    assert Remote.from_url(url).publish(entry.key, entry.root, (REPO_ID, COMMIT, Recipe(target="ocp")))
+    (tmp_path / "models" / "hub").mkdir(parents=True)
+    b = daemons.start(cache_dir=tmp_path / "cache-b", allow_roots=[tmp_path / "models"],
+                      hub_cache=tmp_path / "models" / "hub", remote=url)
+    locks = tmp_path / "cache-b" / "locks"
+    lock = FileLock(locks / f"{entry.key}.lock")
+    assert lock.try_acquire()
+    try:
+        with b.client() as http:
+            r = http.post("/v1/checkpoints", json={"source": REPO_ID, "revision": COMMIT, "target": "ocp"})
+            assert r.status_code == 202 and r.json()["key"] == entry.key, r.text
+            time.sleep(1.5)
+            body = http.get(f"/v1/checkpoints/{entry.key}").json()
+            assert body["state"] not in ("failed", "ready"), body
+    finally:
+        lock.release()
+    with b.client() as http:
+        body = wait_ready(http, entry.key, timeout=60)
+    assert body["state"] == "ready", body
+    assert _files(Path(body["path"])) == _files(entry.path)
+    assert _remote(b)["hits"] == 1
