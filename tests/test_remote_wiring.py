@@ -422,3 +422,44 @@ def test_the_daemons_download_only_job_waits_for_a_key_another_process_holds(s3:
     assert body["state"] == "ready", body
     assert _files(Path(body["path"])) == _files(entry.path)
     assert _remote(b)["hits"] == 1
+
+
+def test_an_upload_to_a_server_that_stops_reading_fails_after_its_bound(s3: S3Server, tmp_path: Path,
+                                                                        caplog) -> None:
+    """The server stops (SIGSTOP: connections accepted, nothing read) as the background upload after a conversion
+    begins to send the entry's files: the upload fails after the write bound (per request), is counted as an upload
+    failure, said once at warning without a credential; the local entry is untouched and no manifest lands in the
+    bucket, not even once the server goes on."""
+    from tests.support.fakes import CopyConverter, write_source
+    from transformd.cache import Cache, Recipe
+    from transformd.remote import Remote
+    from transformd.request import Tier, produce
+
+    url = s3.url("stalled")
+    tier = Tier(Remote.from_url(url, write_timeout_s=2))
+    real = tier.remote.store.write_file
+
+    def stop_then_write(name: str, path: Path) -> None:
+        s3.pause()
+        real(name, path)
+
+    tier.remote.store.write_file = stop_then_write
+    cache = Cache(tmp_path / "cache", converter=CopyConverter())
+    caplog.set_level("DEBUG", logger="transformd.remote")
+    try:
+        entry = produce(cache, write_source(tmp_path / "src", shard_bytes=4 << 20), Recipe(), tier=tier)
+        assert entry.outcome == "converted"
+        t0 = time.monotonic()
+        assert tier.wait_uploads(120), "the upload ended"
+        took = time.monotonic() - t0
+    finally:
+        s3.resume()
+    assert took < 60, took
+    assert tier.counts["upload_failures"] == 1 and tier.counts["uploads"] == 0, tier.counts
+    said = [r for r in caplog.records if r.name == "transformd.remote" and "upload failed" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"], [(r.levelname, r.getMessage()) for r in said]
+    assert "\n" not in said[0].getMessage() and s3.secret_key not in caplog.text and s3.access_key not in caplog.text
+    assert [r.ok for r in cache.verify()] == [True] and cache.get(entry.key) is not None
+    time.sleep(1.0)  # (what the stopped server had in its buffers, it has now handled)
+    assert not Remote.from_url(url).has(entry.key)
+    assert not s3.object_path(f"stalled/entries/{entry.key}/manifest.json").exists()
