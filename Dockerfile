@@ -39,9 +39,11 @@ COPY . /src
 # ---- engine + client: `transformd resolve` inside the engine's own Python (its torch, httpx, tqdm) --------------------
 FROM ${ENGINE_IMAGE} AS engine
 COPY --from=src /src /opt/transformd/src
-# --no-deps: keep the engine's torch/triton builds; add only what transformd's CLI imports that engines lack.
+# --no-deps: keep the engine's torch/triton builds; add only what transformd's CLI imports that engines lack
+# (google-re2: convert --select; obstore: convert --remote, a conversion here shared through the bucket).
 RUN python3 -m pip install -q --no-cache-dir --no-deps /opt/transformd/src \
- && python3 -m pip install -q --no-cache-dir "blake3>=0.4" "pydantic-settings>=2.2" "prometheus-client>=0.20"
+ && python3 -m pip install -q --no-cache-dir "blake3>=0.4" "pydantic-settings>=2.2" "prometheus-client>=0.20" \
+        "google-re2>=1.1" "obstore>=0.12,<0.13"
 
 # ---- the daemon (default target: last stage) ------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS daemon

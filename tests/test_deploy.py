@@ -156,6 +156,72 @@ def test_install_step_is_the_one_ci_runs(dockerfile):
     assert pip[-1] == "/opt/transformd/src" and any("COPY" == w and "/opt/transformd/src" in r for w, r in daemon)
 
 
+#: What every engine image the ``engine`` stage is built on already has (vLLM's and SGLang's own requirements): the
+#: stage installs transformd with --no-deps, so whatever else its commands import must be on its own pip line.
+ENGINE_PROVIDES = {"torch", "triton", "numpy", "safetensors", "tqdm", "httpx", "fastapi", "uvicorn", "huggingface_hub"}
+#: A distribution's top-level module, where the two names differ.
+MODULE_OF = {"google-re2": "re2", "pydantic-settings": "pydantic_settings", "prometheus-client": "prometheus_client",
+             "fastapi-offline": "fastapi_offline"}
+#: Refuses to import the modules named in $TRANSFORMD_TEST_ABSENT (an image that lacks them), on PYTHONPATH.
+ABSENT_MODULES = """\
+import os, sys
+_ABSENT = set(filter(None, os.environ.get("TRANSFORMD_TEST_ABSENT", "").split(",")))
+class _Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in _ABSENT:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the engine image)", name=name)
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def _module(requirement: str) -> str:
+    name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].strip().lower()
+    return MODULE_OF.get(name, name.replace("-", "_"))
+
+
+def test_engine_image_installs_what_its_commands_import(dockerfile, tmp_path):
+    """The engine stage's commands (``transformd resolve``, ``transformd convert --cache-dir --remote --select``)
+    run with every dependency of transformd that neither the engine image nor the stage's pip line provides made
+    absent: none of them imports one (before: ``convert --remote`` and ``--select`` died on obstore and re2 with
+    a traceback, in an image that lacked them)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.s3server import free_port
+    from transformd.sample import write_sample_checkpoint
+
+    _, all_stages, _ = dockerfile
+    engine = next(st for st in all_stages if st[0][1].endswith(" AS engine"))
+    run = next(rest for w, rest in engine if w == "RUN" and "--no-deps" in rest)
+    extra = [a for part in run.split("&&")[1:] for a in shlex.split(part.split("pip install", 1)[1])
+             if not a.startswith("-")]
+    block = re.search(r"^dependencies = \[(.*?)^\]", (REPO / "pyproject.toml").read_text(), re.S | re.M)
+    wanted = re.findall(r'^\s*"([^"]+)"', block.group(1), re.M)  # (tomllib: Python 3.11 and later)
+    assert "torch>=2.4" in wanted and len(wanted) > 10, wanted
+    absent = {_module(r) for r in wanted} - ENGINE_PROVIDES - {_module(r) for r in extra}
+    assert "fastapi_offline" in absent, absent  # (the daemon's alone: an engine container does not serve)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(ABSENT_MODULES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TRANSFORMD_"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]), TRANSFORMD_TEST_ABSENT=",".join(absent),
+               AWS_ACCESS_KEY_ID="AK", AWS_SECRET_ACCESS_KEY="secret", AWS_REGION="us-east-1",
+               AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_EC2_METADATA_DISABLED="true",
+               TRANSFORMD_SOCKET=str(tmp_path / "none.sock"))
+    src = write_sample_checkpoint(tmp_path / "m", layers=1, experts=2, shards=1)
+    commands = {
+        "resolve": (["resolve", str(src), "--engine", "vllm", "--select", "model.*"], 1),
+        "convert": (["convert", str(src), "--target", "ocp", "--select", "model.*", "--cache-dir",
+                     str(tmp_path / "cache"), "--remote", "s3://bucket/p", "--no-daemon", "--device", "cpu"], 0),
+    }
+    for name, (argv, code) in commands.items():
+        done = subprocess.run([sys.executable, "-m", "transformd", *argv], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+        assert "Traceback" not in done.stderr and "ModuleNotFoundError" not in done.stderr, (name, done.stderr)
+        assert done.returncode == code, (name, done.returncode, done.stderr)
+    assert "upload failed" in done.stderr, done.stderr  # (the bucket was asked: the tier's client imported)
+
+
 def test_dockerignore_keeps_the_context_small():
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored

@@ -275,6 +275,53 @@ def test_a_server_that_never_answers_is_a_bounded_wait(s3: S3Server, tmp_path: P
     assert list((tmp_path / "stage").glob("*")) == []
 
 
+def test_a_write_over_a_slow_link_is_bounded_per_request_not_by_the_read_timeout(s3: S3Server, tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """An upload whose bytes keep flowing over a slow link (here 1 MB/s, each shard's PUT about 1.5 s) completes
+    under a read timeout shorter than it (1 s), and is bit-identical when read back; a write request is bounded by
+    ``write_timeout_s`` (one part, or one small object), and one that outlasts it fails in one line. Before, the
+    read timeout (and obstore's default 30 s request timeout) ended every write request that lasted longer,
+    however fast its bytes went: a 32 MiB part had to be sent within 30 s."""
+    from tests.support.s3server import SlowLink
+
+    entry = _entry(tmp_path, shard_bytes=3 << 19)
+    link = SlowLink(s3.port, 1e6)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+        url = s3.url(f"t/{tmp_path.name}")
+        remote = Remote.from_url(url, read_timeout_s=1, write_timeout_s=60)
+        t0 = time.monotonic()
+        assert remote.publish(entry.key, entry.root) is True
+        assert time.monotonic() - t0 > 1.0, "each shard's write outlasted the read timeout"
+        assert remote.fetch(entry.key, tmp_path / "stage") is True
+        assert _files(tmp_path / "stage" / CHECKPOINT_DIR) == _files(entry.path)
+        other = _entry(tmp_path, "node2", seed=1, shard_bytes=3 << 19)
+        with pytest.raises(RemoteUnavailableError) as info:
+            Remote.from_url(url, read_timeout_s=1, write_timeout_s=0.5).publish(other.key, other.root)
+        assert "\n" not in str(info.value) and url in str(info.value) and s3.secret_key not in str(info.value)
+        assert not Remote.from_url(url).has(other.key)
+    finally:
+        link.close()
+
+
+def test_a_read_is_bounded_by_progress_not_by_its_length(s3: S3Server, tmp_path: Path) -> None:
+    """A file read as one stream (a server without ranges) lasts as long as the file takes: bytes that keep coming
+    for longer than 30 s are read to the end (before: obstore's default request timeout, 30 s, cut the stream
+    mid-file, and the node converted instead of downloading any shard that took longer)."""
+    data = os.urandom(64 << 20)
+    (tmp_path / "big").write_bytes(data)
+    remote = Remote.from_url(s3.url(f"t/{tmp_path.name}"))
+    remote.store.write_file("big", tmp_path / "big")
+    t0, got = time.monotonic(), bytearray()
+    for chunk in remote.store.read_stream("big"):
+        got += chunk
+        time.sleep(5.0)  # (a slow reader of 8 MiB chunks: the stream lasts about 40 s)
+    took = time.monotonic() - t0
+    assert len(got) == len(data) and took > 35, (len(got), took)
+    assert bytes(got) == data, "the bytes of the object"
+
+
 @pytest.mark.parametrize("which", ["secret", "key"])
 def test_wrong_credentials_are_a_one_line_error(s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                which: str) -> None:

@@ -10,6 +10,7 @@ and the request converts locally; the failure is counted.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -326,3 +327,208 @@ def test_an_entry_the_cache_cannot_hold_is_refused_before_its_download(s3: S3Ser
         tier.fetch(small, key, source=str(src))
     assert not list(small.staging_dir.iterdir()) and small.get(key) is None
     assert tier.counts["failures"] == 0 and tier.counts["hits"] == 0, tier.counts
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_serve_read_only_without_a_remote_is_refused_at_start(tmp_path: Path, monkeypatch, how: str) -> None:
+    """``serve --remote-read-only`` (or ``TRANSFORMD_REMOTE_READ_ONLY=1``) with no remote named anywhere: one line
+    naming the setting and what it needs, exit 2, nothing listening (before: the daemon started without a tier, the
+    setting silently ignored)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "models").mkdir()
+    sock = tmp_path / "td.sock"
+    argv = [sys.executable, "-m", "transformd", "serve", "--socket", str(sock), "--cache-dir", str(tmp_path / "cache"),
+            "--allow-root", str(tmp_path / "models"), "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFORMD_")}
+    if how == "flag":
+        argv.append("--remote-read-only")
+    else:
+        env["TRANSFORMD_REMOTE_READ_ONLY"] = "1"
+    if how == "environment":
+        env["TRANSFORMD_REMOTE"] = ""  # (set and empty: no remote either)
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = child.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        _, err = child.communicate()
+        pytest.fail(f"the daemon started without a remote tier: {err}")
+    assert child.returncode == 2, err
+    assert err.splitlines() == ["transformd: error: --remote-read-only (TRANSFORMD_REMOTE_READ_ONLY) needs a remote "
+                                "tier: pass --remote s3://BUCKET[/PREFIX] (or TRANSFORMD_REMOTE), or drop it"], err
+    assert not sock.exists()
+
+
+def _published_alias(s3: S3Server, tmp_path: Path, prefix: str):
+    """A real entry (the copying fake converter) published to the tier with an alias record of org/Model@COMMIT;
+    returns the tier's URL, the entry and the alias's recipe."""
+    from tests.support.fakes import CopyConverter, write_source
+    from transformd.cache import Cache, Recipe
+    from transformd.remote import Remote
+
+    entry = Cache(tmp_path / "node-a", converter=CopyConverter()).get_or_convert(write_source(tmp_path / "src"))
+    url = s3.url(prefix)
+    recipe = Recipe()
+    assert Remote.from_url(url).publish(entry.key, entry.root, (REPO_ID, COMMIT, recipe)) is True
+    return url, entry, recipe
+
+
+def test_a_download_only_request_waits_for_another_process_that_holds_the_key(s3: S3Server, tmp_path: Path) -> None:
+    """A node with no snapshot (a repo id and commit, the tier's alias record gives the key) while another process of
+    its cache holds that key's lock (here a download under the real lock, held back until the test lets it go): the
+    request waits for it, as a conversion waits for one, and answers the entry it published, downloading nothing
+    itself (before: None at once, the hub's error or the daemon's job failed). Then, with a holder that gives up
+    (the lock released, no entry), the request downloads the entry itself."""
+    from transformd.cache import Cache
+    from transformd.cache.fetched import get_or_fetch
+    from transformd.cache.lock import FileLock
+    from transformd.remote import Remote
+    from transformd.request import Tier
+
+    url, entry, recipe = _published_alias(s3, tmp_path, "wait-published")
+    cache = Cache(tmp_path / "node-b")
+    entered, go, got = threading.Event(), threading.Event(), {}
+
+    def held_back(stage: Path, report, reserve) -> bool:
+        entered.set()
+        assert go.wait(60)
+        return Remote.from_url(url).fetch(entry.key, stage, before=lambda m: reserve(m.total_bytes))
+
+    holder = threading.Thread(target=lambda: got.setdefault("holder", get_or_fetch(cache, entry.key, held_back,
+                                                                                   source="the other process")))
+    holder.start()
+    assert entered.wait(30)
+    tier = Tier.from_url(url)
+    asking = threading.Thread(target=lambda: got.setdefault("request", tier.fetch_alias(cache, REPO_ID, COMMIT,
+                                                                                        recipe)))
+    asking.start()
+    time.sleep(1.0)
+    assert asking.is_alive() and "request" not in got, "it waits while the other holds the key"
+    go.set()
+    holder.join(60)
+    asking.join(60)
+    assert got["holder"].outcome == "fetched"
+    assert got["request"] is not None and got["request"].outcome == "waited", got
+    assert got["request"].path == got["holder"].path and _files(got["request"].path) == _files(entry.path)
+    assert tier.counts["hits"] == 0 and tier.counts["failures"] == 0, tier.counts  # (it downloaded nothing)
+    # a holder that gives up: the lock released with no entry published; the request then downloads it itself
+    cache = Cache(tmp_path / "node-c")
+    lock = FileLock(cache.locks_dir / f"{entry.key}.lock")
+    assert lock.try_acquire()
+    asking = threading.Thread(target=lambda: got.__setitem__("request", tier.fetch_alias(cache, REPO_ID, COMMIT,
+                                                                                         recipe)))
+    got.pop("request")
+    asking.start()
+    time.sleep(1.0)
+    assert asking.is_alive() and "request" not in got
+    lock.release()
+    asking.join(60)
+    assert got["request"] is not None and got["request"].outcome == "fetched", got
+    assert _files(got["request"].path) == _files(entry.path) and tier.counts["hits"] == 1, tier.counts
+
+
+def test_a_download_only_request_whose_key_stays_locked_ends_in_a_clear_timeout(s3: S3Server,
+                                                                              tmp_path: Path) -> None:
+    """Another process holds the key's lock and never lets it go: the wait ends after its bound (the ``timeout`` a
+    conversion's wait takes) with CacheTimeoutError naming the key and the cache, nothing downloaded or left."""
+    from transformd.cache import Cache, CacheTimeoutError
+    from transformd.cache.lock import FileLock
+    from transformd.request import Tier
+
+    url, entry, recipe = _published_alias(s3, tmp_path, "wait-forever")
+    cache = Cache(tmp_path / "node-b")
+    lock = FileLock(cache.locks_dir / f"{entry.key}.lock")
+    assert lock.try_acquire()
+    tier = Tier.from_url(url)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CacheTimeoutError) as info:
+            tier.fetch_alias(cache, REPO_ID, COMMIT, recipe, timeout=1.0)
+        assert time.monotonic() - t0 < 30
+    finally:
+        lock.release()
+    message = str(info.value)
+    assert "timed out after 1.0 s" in message and entry.key in message and str(cache.root) in message, message
+    assert "\n" not in message and cache.get(entry.key) is None and not list(cache.staging_dir.iterdir())
+    assert tier.counts["hits"] == 0, tier.counts
+
+
+def test_the_daemons_download_only_job_waits_for_a_key_another_process_holds(s3: S3Server, daemons: Daemons,
+                                                                           tmp_path: Path) -> None:
+    """The daemon's job for a repo id and commit it has no snapshot of, while another process of its cache holds
+    the key's lock: the job waits (``waiting`` for another process, not failed), and once the lock is let go with
+    no entry published, downloads the entry itself (before: the job failed at once, "the remote tier no longer
+    gives entry ...")."""
+    from tests.support.fakes import CopyConverter, write_source
+    from transformd.cache import Cache, Recipe
+    from transformd.cache.lock import FileLock
+    from transformd.remote import Remote
+
+    entry = Cache(tmp_path / "node-a", converter=CopyConverter()).get_or_convert(write_source(tmp_path / "src"),
+                                                                                  Recipe(target="ocp"))
+    url = s3.url("daemon-wait")
+    assert Remote.from_url(url).publish(entry.key, entry.root, (REPO_ID, COMMIT, Recipe(target="ocp")))
+    (tmp_path / "models" / "hub").mkdir(parents=True)
+    b = daemons.start(cache_dir=tmp_path / "cache-b", allow_roots=[tmp_path / "models"],
+                      hub_cache=tmp_path / "models" / "hub", remote=url)
+    locks = tmp_path / "cache-b" / "locks"
+    lock = FileLock(locks / f"{entry.key}.lock")
+    assert lock.try_acquire()
+    try:
+        with b.client() as http:
+            r = http.post("/v1/checkpoints", json={"source": REPO_ID, "revision": COMMIT, "target": "ocp"})
+            assert r.status_code == 202 and r.json()["key"] == entry.key, r.text
+            time.sleep(1.5)
+            body = http.get(f"/v1/checkpoints/{entry.key}").json()
+            assert body["state"] not in ("failed", "ready"), body
+    finally:
+        lock.release()
+    with b.client() as http:
+        body = wait_ready(http, entry.key, timeout=60)
+    assert body["state"] == "ready", body
+    assert _files(Path(body["path"])) == _files(entry.path)
+    assert _remote(b)["hits"] == 1
+
+
+def test_an_upload_to_a_server_that_stops_reading_fails_after_its_bound(s3: S3Server, tmp_path: Path,
+                                                                        caplog) -> None:
+    """The server stops (SIGSTOP: connections accepted, nothing read) as the background upload after a conversion
+    begins to send the entry's files: the upload fails after the write bound (per request), is counted as an upload
+    failure, said once at warning without a credential; the local entry is untouched and no manifest lands in the
+    bucket, not even once the server goes on."""
+    from tests.support.fakes import CopyConverter, write_source
+    from transformd.cache import Cache, Recipe
+    from transformd.remote import Remote
+    from transformd.request import Tier, produce
+
+    url = s3.url("stalled")
+    tier = Tier(Remote.from_url(url, write_timeout_s=2))
+    real = tier.remote.store.write_file
+
+    def stop_then_write(name: str, path: Path) -> None:
+        s3.pause()
+        real(name, path)
+
+    tier.remote.store.write_file = stop_then_write
+    cache = Cache(tmp_path / "cache", converter=CopyConverter())
+    caplog.set_level("DEBUG", logger="transformd.remote")
+    try:
+        entry = produce(cache, write_source(tmp_path / "src", shard_bytes=4 << 20), Recipe(), tier=tier)
+        assert entry.outcome == "converted"
+        t0 = time.monotonic()
+        assert tier.wait_uploads(120), "the upload ended"
+        took = time.monotonic() - t0
+    finally:
+        s3.resume()
+    assert took < 60, took
+    assert tier.counts["upload_failures"] == 1 and tier.counts["uploads"] == 0, tier.counts
+    said = [r for r in caplog.records if r.name == "transformd.remote" and "upload failed" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"], [(r.levelname, r.getMessage()) for r in said]
+    assert "\n" not in said[0].getMessage() and s3.secret_key not in caplog.text and s3.access_key not in caplog.text
+    assert [r.ok for r in cache.verify()] == [True] and cache.get(entry.key) is not None
+    time.sleep(1.0)  # (what the stopped server had in its buffers, it has now handled)
+    assert not Remote.from_url(url).has(entry.key)
+    assert not s3.object_path(f"stalled/entries/{entry.key}/manifest.json").exists()

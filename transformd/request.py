@@ -290,21 +290,31 @@ class Tier:
             self._said.clear()
 
     def fetch(self, cache: Cache, key: str, *, source: str,
-              progress: Callable[[ConversionStatus], None] | None = None) -> Entry | None:
+              progress: Callable[[ConversionStatus], None] | None = None, wait: bool = False,
+              timeout: float | None = None, poll_interval: float = 0.1) -> Entry | None:
         """The entry ``key`` downloaded from the tier into ``cache`` (``outcome`` ``fetched``), or the local one if it
         appeared meanwhile; None on a miss, a failure of the tier (counted, logged), or when another process of
-        this cache holds the key (it converts or downloads it; the caller's conversion waits for it)."""
+        this cache holds the key (it converts or downloads it; the caller's conversion waits for it).
+
+        ``wait`` (a caller with nothing to convert: a repo id and commit with no snapshot here): another process
+        that holds the key is waited for as a conversion waits for one (``timeout``, ``poll_interval``:
+        :func:`~transformd.cache.fetched.get_or_fetch`), and its entry returned (``outcome`` ``waited``); if it
+        published none, the tier is asked here."""
         from .cache.fetched import get_or_fetch
         from .remote import RemoteError
 
-        if time.monotonic() < self._held_until:  # (it did not answer moments ago: not waited for again)
+        held = time.monotonic() < self._held_until
+        if held:  # (it did not answer moments ago: not waited for again)
             self._count("failures")
             log.debug("remote tier %s: not asked for %s (it did not answer within the last %.0f s); converting "
                       "locally", self.remote.url, key, HOLD_OFF_S)
-            return None
+            if not wait:
+                return None
         asked: list[bool] = []
 
         def fill(stage: Path, report: Callable[[Any], None], reserve: Callable[[int], None]) -> bool:
+            if held:  # (waited only for another process of this cache)
+                return False
             asked.append(True)
 
             def update(p: Any) -> None:
@@ -320,7 +330,8 @@ class Tier:
                 raise RemoteError(f"remote {self.remote.url}: {type(e).__name__}: {str(e)[:300]}") from e
 
         try:
-            entry = get_or_fetch(cache, key, fill, source=f"{self.remote.url} ({source})", progress=progress)
+            entry = get_or_fetch(cache, key, fill, source=f"{self.remote.url} ({source})", progress=progress,
+                                 wait=wait, timeout=timeout, poll_interval=poll_interval)
         except RemoteError as e:
             self._failed("download", e)
             return None
@@ -336,9 +347,11 @@ class Tier:
         return entry
 
     def fetch_alias(self, cache: Cache, repo_id: str, commit: str, recipe: Recipe, *,
-                    progress: Callable[[ConversionStatus], None] | None = None) -> Entry | None:
+                    progress: Callable[[ConversionStatus], None] | None = None,
+                    timeout: float | None = None) -> Entry | None:
         """The entry that the tier's alias record of ``repo_id`` at full ``commit`` with ``recipe`` names, local
-        already or downloaded (for a node without that snapshot); None when the tier has none or fails."""
+        already or downloaded (for a node without that snapshot; another process of this cache that holds the key
+        is waited for, as :meth:`fetch` ``wait``); None when the tier has none or fails."""
         key = self.alias_key(repo_id, commit, recipe)
         if key is None:
             return None
@@ -346,7 +359,7 @@ class Tier:
         if entry is not None:
             entry.outcome = "hit"
             return entry
-        return self.fetch(cache, key, source=f"{repo_id}@{commit}", progress=progress)
+        return self.fetch(cache, key, source=f"{repo_id}@{commit}", progress=progress, wait=True, timeout=timeout)
 
     def alias_key(self, repo_id: str, commit: str, recipe: Recipe) -> str | None:
         """The key the tier's alias record of ``repo_id`` at full ``commit`` with ``recipe`` names; None when it has

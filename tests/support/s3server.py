@@ -11,12 +11,13 @@ random keys, one bucket (``transformd-test``) made as a directory, and stops it 
 
 :meth:`S3Server.stop` and :meth:`S3Server.start` take it down and up again on the same port (an unreachable
 server); :meth:`S3Server.pause`/:meth:`resume` stop and continue the process (a server that accepts connections
-and never answers). :func:`rclone_binary` finds the executable (the wheel puts it beside the interpreter); tests
+and never answers); :class:`SlowLink` is a slow link to it. :func:`rclone_binary` finds the executable (the wheel puts it beside the interpreter); tests
 skip with a reason when it is missing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
@@ -25,6 +26,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,6 +137,60 @@ class S3Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SlowLink:
+    """A TCP proxy on a free loopback port in front of ``port`` that forwards what the client sends at
+    ``bytes_per_s`` (answers at full speed): a slow link to the server, whose bytes keep flowing. ``endpoint`` is
+    its URL (for ``AWS_ENDPOINT_URL``); it runs in a daemon thread until :meth:`close`."""
+
+    def __init__(self, port: int, bytes_per_s: float):
+        self.target, self.rate, self.port = port, bytes_per_s, free_port()
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="slow-link", daemon=True)
+        self._thread.start()
+        if not started.wait(10):
+            raise RuntimeError("the slow link did not start")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rate: float | None) -> None:
+        try:
+            while data := await reader.read(16 << 10):
+                writer.write(data)
+                await writer.drain()
+                if rate is not None:
+                    await asyncio.sleep(len(data) / rate)
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target)
+        await asyncio.gather(self._pipe(client_r, server_w, self.rate), self._pipe(server_r, client_w, None))
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        started.set()
+        self._loop.run_forever()
+
+    async def _stop(self) -> None:
+        self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loop.stop()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop)
+        self._thread.join(10)
+        self._loop.close()
 
 
 # ---------------------------------------------------------------------- pytest fixtures (import them into a test)

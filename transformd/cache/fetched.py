@@ -22,7 +22,7 @@ from .entry import Entry
 from .errors import CacheError
 from .lock import FileLock, process_identity
 from .manifest import CHECKPOINT_DIR, MANIFEST_NAME, Manifest
-from .status import ConversionStatus, _StatusWriter
+from .status import ConversionStatus, Waiter, _StatusWriter
 
 if TYPE_CHECKING:
     from .store import Cache
@@ -35,7 +35,8 @@ __all__ = ["get_or_fetch"]
 
 def get_or_fetch(cache: Cache, key: str, fetch: Callable[[Path, Callable[[Any], None], Callable[[int], None]], bool],
                  *, source: str, estimate: int = 0, progress: Callable[[ConversionStatus], None] | None = None,
-                 state: str = "downloading") -> Entry | None:
+                 state: str = "downloading", wait: bool = False, timeout: float | None = None,
+                 poll_interval: float = 0.1) -> Entry | None:
     """The entry ``key`` of ``cache``: there already (``outcome`` ``hit``), or made by ``fetch(stage, report,
     reserve)``, which fills the empty directory ``stage`` with a sealed entry (``manifest.json`` and ``checkpoint/``,
     files read-only and fsynced), calls ``report(update)`` as it goes (a dict of
@@ -44,18 +45,31 @@ def get_or_fetch(cache: Cache, key: str, fetch: Callable[[Path, Callable[[Any], 
     (``outcome`` ``fetched``). None when ``fetch`` returns False (a miss), or when another process
     holds the key's lock (it converts or fetches it: the caller's conversion waits for it). ``source``: what the
     status names (a path, or where it comes from); ``estimate``: bytes reserved before it starts (the budget is
-    enforced again once it is published). Raises what ``fetch`` raises, with nothing of it left."""
-    entry = cache.get(key)
-    if entry is not None:
-        entry.outcome = "hit"
-        return entry
-    cache._ensure_layout()
+    enforced again once it is published). Raises what ``fetch`` raises, with nothing of it left.
+
+    ``wait`` (a caller with nothing to convert, e.g. a repo id and commit with no snapshot here): another process
+    that holds the key's lock is waited for as a conversion waits for one (:class:`~.status.Waiter`: its progress
+    passed on every ``poll_interval`` s, :class:`~transformd.cache.CacheTimeoutError` after ``timeout`` s, a dead
+    holder's lock released by the kernel), then its entry is returned (``outcome`` ``waited``), or, if it published
+    none (it failed, or missed), ``fetch`` is tried here."""
+    waiter = None
     lock = FileLock(cache.locks_dir / f"{key}.lock")
-    try:
-        if not lock.try_acquire(owner=process_identity()):
+    while True:
+        entry = cache.get(key)
+        if entry is not None:
+            entry.outcome = "hit" if waiter is None else "waited"
+            return entry
+        cache._ensure_layout()
+        try:
+            if lock.try_acquire(owner=process_identity()):
+                break
+        except OSError as e:
+            raise cache._unusable(e) from e
+        if not wait:
             return None
-    except OSError as e:
-        raise cache._unusable(e) from e
+        if waiter is None:
+            waiter = Waiter(cache, key, source, progress, timeout, poll_interval, by_key=True)
+        waiter.pause()
     try:
         entry = cache.get(key)
         if entry is not None:

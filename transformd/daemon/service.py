@@ -546,9 +546,11 @@ class ConversionService:
                 log.exception("conversion worker: unexpected error in job %s", job.key)
 
     def _fetch_only(self, job: Job) -> Entry:
-        """A fetch-only job's entry, downloaded from the tier (or found here meanwhile)."""
+        """A fetch-only job's entry, downloaded from the tier, or made by another process of this cache (waited for
+        as a conversion waits for one)."""
         entry = None if self.tier is None else self.tier.fetch(self.cache, job.key, source=str(job.source),
-                                                               progress=job.on_status)
+                                                               progress=job.on_status, wait=True,
+                                                               poll_interval=POLL_INTERVAL_S)
         if entry is None:
             entry = self.cache.get(job.key)  # (another process of this cache may have had it)
         if entry is None:

@@ -222,6 +222,9 @@ class Settings(BaseSettings):
         """Raise :class:`SettingsError` for combinations that cannot work."""
         if self.host is not None and self.port is None:
             raise SettingsError(f"--host {self.host} needs --port (TCP is off without a port)")
+        if self.remote_read_only and not self.remote:  # (else a node meant to read a bucket starts without one)
+            raise SettingsError("--remote-read-only (TRANSFORMD_REMOTE_READ_ONLY) needs a remote tier: pass --remote "
+                                "s3://BUCKET[/PREFIX] (or TRANSFORMD_REMOTE), or drop it")
         if self.tcp_enabled and self.token_file is None:
             raise SettingsError(
                 "TCP (--port) requires a bearer token: pass --token-file FILE (or TRANSFORMD_TOKEN_FILE) holding "

@@ -7,10 +7,25 @@ Names given to a store are the tier's own (:mod:`.names`), already checked.
 S3: obstore's :class:`~obstore.store.S3Store` reads the standard AWS variables (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``, web identity for a
 Kubernetes service account, the instance's metadata); a profile (``AWS_PROFILE`` or a shared credentials file)
-is read through boto3 when it is installed. Requests are bounded: :data:`CONNECT_TIMEOUT_S` to connect,
-:data:`READ_TIMEOUT_S` without a byte while reading, and at most :data:`MAX_RETRIES` retries within
-:data:`RETRY_TIMEOUT_S`. A server that answers a ranged GET with the whole object's status (``200``, as
-``rclone serve s3`` 1.75 does) is read one stream per file instead (obstore checks for ``206``, as it should).
+is read through boto3 when it is installed. A server that answers a ranged GET with the whole object's status
+(``200``, as ``rclone serve s3`` 1.75 does) is read one stream per file instead (obstore checks for ``206``, as it
+should).
+
+Bounds, as measured against ``rclone serve s3`` on loopback (a stopped server, and a link slowed to 0.5 MB/s by a
+proxy). Every request: :data:`CONNECT_TIMEOUT_S` to connect, at most :data:`MAX_RETRIES` retries within
+:data:`RETRY_TIMEOUT_S`. A read: :data:`READ_TIMEOUT_S` without a byte (obstore's ``read_timeout``, which starts
+again with each read of an answer), and no ceiling on its whole length: a file read as one stream (a server
+without ranges) lasts as long as the file takes (obstore's default ``timeout``, 30 s for every request, cut such a
+stream mid-file: a 64 MiB stream read over 40 s ended at 30.5 s). A write: obstore has no bound on the progress of
+a send (its ``read_timeout`` runs from the request's start to the answer's first byte: a 10 MiB PUT taking 21.8 s
+at 0.5 MB/s failed under a 5 s one and passed under 60 s), so each write request gets one ceiling,
+:data:`WRITE_TIMEOUT_S`, as its ``timeout`` and its ``read_timeout``. A request is one part of :data:`PART_BYTES`
+(or a small object), never a whole file, so the bound is per 32 MiB sent, whatever the shard's size. Before, both
+were 30 s: with up to ``FILES_AT_ONCE`` (:mod:`.publish`) x :data:`UPLOAD_CONCURRENCY` = 32 parts in flight (1 GiB),
+a link slower than about 36 MB/s failed every large upload (a 20 MiB PUT at 0.5 MB/s was cut at 30.0 s). At 300 s
+those 32 parts need about 3.6 MB/s; a server that stops reading fails the part after 300 s, then the multipart
+upload's abort after at most 300 s more; the upload is then a failure of the tier (counted, logged once, the entry
+stays local, no manifest written).
 """
 
 from __future__ import annotations
@@ -27,6 +42,10 @@ from .errors import RemoteConfigError, RemoteCorruptError, RemoteDeniedError, Re
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 30.0
+#: The longest one write request (a part, or a small object) may take (see the module).
+WRITE_TIMEOUT_S = 300.0
+#: obstore's ``timeout`` of reads: none in effect (a day); :data:`READ_TIMEOUT_S` bounds them.
+_READ_CEILING = timedelta(days=1)
 MAX_RETRIES = 2
 RETRY_TIMEOUT_S = 20.0
 #: Files at least this large are uploaded in parts of this size (multipart).
@@ -86,7 +105,7 @@ class S3ObjectStore:
     """``s3://BUCKET/PREFIX`` through obstore (see the module)."""
 
     def __init__(self, url: str, bucket: str, prefix: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 read_timeout_s: float = READ_TIMEOUT_S):
+                 read_timeout_s: float = READ_TIMEOUT_S, write_timeout_s: float = WRITE_TIMEOUT_S):
         from obstore.store import S3Store
 
         self.url = url
@@ -94,6 +113,7 @@ class S3ObjectStore:
         client: dict[str, Any] = {
             "connect_timeout": timedelta(seconds=connect_timeout_s),
             "read_timeout": timedelta(seconds=read_timeout_s),
+            "timeout": _READ_CEILING,
             "allow_http": endpoint.startswith("http://"),
         }
         retry: dict[str, Any] = {
@@ -113,6 +133,10 @@ class S3ObjectStore:
         try:
             self._store = S3Store(bucket, prefix=prefix or None, config=config, client_options=client,
                                   retry_config=retry, credential_provider=provider)
+            self._writer = S3Store(bucket, prefix=prefix or None, config=config, retry_config=retry,
+                                   client_options={**client, "timeout": timedelta(seconds=write_timeout_s),
+                                                   "read_timeout": timedelta(seconds=write_timeout_s)},
+                                   credential_provider=provider)  # (the same client, a write's bounds: see above)
         except Exception as e:  # noqa: BLE001 - obstore's configuration errors
             raise RemoteConfigError(f"remote {url}: {_one_line(e)}") from None
 
@@ -167,7 +191,7 @@ class S3ObjectStore:
         import obstore
 
         try:
-            obstore.put(self._store, name, Path(path), chunk_size=PART_BYTES, max_concurrency=UPLOAD_CONCURRENCY)
+            obstore.put(self._writer, name, Path(path), chunk_size=PART_BYTES, max_concurrency=UPLOAD_CONCURRENCY)
         except Exception as e:  # noqa: BLE001
             raise _s3_error(self.url, name, e, "writing") from None
 
@@ -176,7 +200,7 @@ class S3ObjectStore:
         from obstore import exceptions as ox
 
         try:
-            obstore.put(self._store, name, data, mode="create" if create else "overwrite", use_multipart=False)
+            obstore.put(self._writer, name, data, mode="create" if create else "overwrite", use_multipart=False)
             return True
         except (ox.AlreadyExistsError, ox.PreconditionError):
             return False

@@ -17,7 +17,14 @@ from . import names
 from . import publish as _publish
 from .errors import RemoteConfigError
 from .fetch import FetchProgress
-from .stores import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, FileObjectStore, ObjectStore, S3ObjectStore
+from .stores import (
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    WRITE_TIMEOUT_S,
+    FileObjectStore,
+    ObjectStore,
+    S3ObjectStore,
+)
 
 #: Environment variable naming the remote (as ``--remote``).
 ENV_REMOTE = "TRANSFORMD_REMOTE"
@@ -41,9 +48,10 @@ class Remote:
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 read_timeout_s: float = READ_TIMEOUT_S) -> Remote:
+                 read_timeout_s: float = READ_TIMEOUT_S, write_timeout_s: float = WRITE_TIMEOUT_S) -> Remote:
         """``s3://BUCKET[/PREFIX]`` (credentials and endpoint from the standard AWS chain) or ``file:///PATH``.
-        A request waits at most ``connect_timeout_s`` to connect and ``read_timeout_s`` for each read."""
+        A request waits at most ``connect_timeout_s`` to connect and ``read_timeout_s`` without progress; a write
+        request (a part of a large file, or a small object) takes at most ``write_timeout_s`` (:mod:`.stores`)."""
         if not isinstance(url, str) or not url:
             raise RemoteConfigError("--remote: empty; expected s3://BUCKET[/PREFIX] or file:///PATH")
         parsed = urllib.parse.urlsplit(url)
@@ -54,7 +62,7 @@ class Remote:
                 raise RemoteConfigError(f"--remote {url!r}: expected s3://BUCKET[/PREFIX]")
             clean = f"s3://{parsed.netloc}" + (f"/{prefix}" if prefix else "")
             store = S3ObjectStore(clean, parsed.netloc, prefix, connect_timeout_s=connect_timeout_s,
-                                  read_timeout_s=read_timeout_s)
+                                  read_timeout_s=read_timeout_s, write_timeout_s=write_timeout_s)
             return cls(store, read_only=read_only)
         if parsed.scheme == "file":
             if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
