@@ -545,7 +545,7 @@ class TransformdClient:
         if wait <= 0:
             return self._json(self._request("GET", f"{_API}/checkpoints/{key}"), CheckpointStatus.from_json)
         wait = min(wait, 10.0)
-        limit = import_httpx().Timeout(self.timeout + wait, connect=self.timeout)
+        limit = import_httpx().Timeout(None if self.timeout is None else self.timeout + wait, connect=self.timeout)
         return self._json(self._request("GET", f"{_API}/checkpoints/{key}?wait={wait:g}", timeout=limit),
                           CheckpointStatus.from_json)
 
