@@ -235,6 +235,40 @@ def test_a_tier_down_silent_or_denied_falls_back_to_a_local_conversion(s3: S3Ser
     assert "\n" not in said[0].getMessage() and s3.secret_key not in caplog.text
 
 
+def test_a_silent_tier_holds_up_one_repo_id_alias_lookup_not_each(s3: S3Server, daemons: Daemons,
+                                                                   tmp_path: Path) -> None:
+    """Repo ids new to the node are looked up by their alias record before they are converted: a tier that does not
+    answer (SIGSTOP) costs the first request a short bounded wait (hub_sources.ALIAS_WAIT_S, well inside a client's
+    30 s request timeout: the POST was answered after the tier's 30 s read timeout, a client's timeout), and the next
+    request is not made to wait again (the tier is held off); both convert while hashed."""
+    import json
+
+    models, work = tmp_path / "models", tmp_path / "work"
+    commits = ["a" * 40, "b" * 40]
+    for i, commit in enumerate(commits):
+        src = write_sample_checkpoint(work / f"m{i}", layers=1, experts=2, shards=1, seed=i)
+        for f in src.iterdir():
+            os.utime(f, (f.stat().st_atime - 60, f.stat().st_mtime - 60))
+        add_snapshot(models / "hub", REPO_ID, commit, src)
+    d = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[models], hub_cache=models / "hub",
+                      remote=s3.url("silent-alias"))
+    d.daemon.cache.hash_alongside_min_bytes = 0
+    s3.pause()
+    took, bodies = [], []
+    try:
+        for commit in commits:
+            t0 = time.monotonic()
+            bodies.append(_resolve(d, {"source": REPO_ID, "revision": commit, "target": "ocp"}))
+            took.append(time.monotonic() - t0)
+    finally:
+        s3.resume()
+    assert [b["state"] for b in bodies] == ["ready"] * 2 and took[0] < 20 and took[1] < took[0], took
+    assert _remote(d)["failures"] >= 1
+    for b in bodies:
+        assert "hash_alongside" in json.loads((Path(b["path"]).parent / "manifest.json").read_text())["timings"]
+    assert _metric(d, 'transformd_conversions_total{outcome="converted"}') == 2
+
+
 def test_a_corrupt_file_in_the_tier_is_never_published_and_the_node_converts(s3: S3Server, daemons: Daemons,
                                                                              tmp_path: Path) -> None:
     """A shard of the tier's entry changed in the bucket (same size, other bytes): the second node's download fails

@@ -285,6 +285,13 @@ class Tier:
         (log.warning if first else log.debug)("remote tier %s: %s failed (%s); %s", self.remote.url, doing, said,
                                               "converting locally" if doing == "download" else "the entry stays local")
 
+    def no_answer(self, doing: str, waited_s: float) -> None:
+        """A request gave up waiting for the tier after ``waited_s`` seconds: a failure of the tier that did not answer
+        (counted, logged once, the tier held off as after a timeout)."""
+        from .remote import RemoteUnavailableError
+
+        self._failed(doing, RemoteUnavailableError(f"remote {self.remote.url}: no answer within {waited_s:g} s"))
+
     def _worked(self) -> None:
         with self._lock:
             self._said.clear()
@@ -366,6 +373,9 @@ class Tier:
         none (a miss) or fails (counted, logged)."""
         from .remote import RemoteError
 
+        if time.monotonic() < self._held_until:  # (it did not answer moments ago: not waited for again)
+            self._count("failures")
+            return None
         try:
             key = self.remote.lookup_alias(repo_id, commit, recipe)
         except RemoteError as e:

@@ -22,7 +22,6 @@ from fastapi import Path as FastApiPath
 from fastapi.responses import JSONResponse, Response
 
 from .. import request
-from ..request import key_first
 from ..cache import Cache, EntryLeasedError, EntryNotFoundError, PendingIdentity, Recipe, SourceIdentity, cache_key
 from ..cache.keys import KEY_HEX_LEN, KEY_RE
 from ..cache.lease import LEASE_ID_RE
@@ -33,7 +32,7 @@ from ..platform import detect_platform
 from .docs import install_docs
 from .errors import ApiError, error_for_exception, install_error_handlers
 from .files import EntryIndex
-from .hub_sources import alias_of, hub_source, remember_hub, with_hub
+from .hub_sources import alias_of, hub_source, key_first, remember_hub, with_hub
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import BearerAuth, BodyLimit, RequestCounter
 from .paths import FILE_NAME_RE, SourcePolicy, check_file_name
@@ -287,7 +286,7 @@ def _routes(app: FastAPI, d: Daemon) -> None:
         recipe = Recipe(target=target, scale_mode=body.scale_mode, select=body.select, layout=layout)
         async with slot:
             ident = await service.identify(source, defer=True, reader=reader)
-            if await _thread(key_first, service.tier, ident, alias_of(hub), recipe):
+            if await key_first(d, ident, hub, recipe):
                 ident = await service.identify(source, reader=reader)  # (the tier is asked by key: hashed first)
         if isinstance(ident, PendingIdentity):  # large, never hashed: its conversion hashes it as it reads it
             answer = await _resolve_while_hashing(ident, source, recipe, reader, body, hub, reason)

@@ -78,6 +78,26 @@ async def hub_alias(d: Daemon, source: str, revision: str | None, recipes: Seque
     return None
 
 
+#: Longest a request waits for the tier's alias record of a repo id new to the node before converting it while
+#: hashing it (a bucket answers in milliseconds; one that does not answer costs a request this much at most, and
+#: none once its failure holds the tier off): well inside a client's request timeout.
+ALIAS_WAIT_S = 5.0
+
+
+async def key_first(d: Daemon, identity: Any, hub: dict[str, Any], recipe: Any) -> bool:
+    """:func:`transformd.request.key_first` for a request, waited for :data:`ALIAS_WAIT_S` at most (then False: the
+    source is converted while hashed; the lookup's own failure is counted and logged when it ends)."""
+    from ..request import key_first as rule
+
+    tier = d.service.tier
+    with anyio.move_on_after(ALIAS_WAIT_S) as waited:
+        return await anyio.to_thread.run_sync(rule, tier, identity, alias_of(hub), recipe, abandon_on_cancel=True,
+                                              limiter=d.service.source_limiter())
+    if waited.cancelled_caught and tier is not None:  # (the next requests do not wait for it again)
+        tier.no_answer("alias lookup", ALIAS_WAIT_S)
+    return False
+
+
 def alias_of(hub: dict[str, Any]) -> tuple[str, str] | None:
     """The repo id and full commit a request named (``hub_source``'s answer), recorded with its entry in the tier."""
     found = hub.get("hub") if hub else None
