@@ -269,6 +269,30 @@ def test_a_silent_tier_holds_up_one_repo_id_alias_lookup_not_each(s3: S3Server, 
     assert _metric(d, 'transformd_conversions_total{outcome="converted"}') == 2
 
 
+def test_a_silent_tier_answers_a_repo_id_not_here_with_the_hubs_error_in_time(s3: S3Server, daemons: Daemons,
+                                                                             tmp_path: Path) -> None:
+    """A node without the snapshot asks the tier's alias record; a tier that does not answer (SIGSTOP) gives the
+    hub's own 404 (as without a tier) after a short bounded wait, within a client's 30 s request timeout (the POST
+    waited for the tier's 30 s read timeout), and the next request is answered at once (the tier is held off)."""
+    (tmp_path / "models" / "hub").mkdir(parents=True)
+    d = daemons.start(cache_dir=tmp_path / "cache", allow_roots=[tmp_path / "models"],
+                      hub_cache=tmp_path / "models" / "hub", remote=s3.url("silent-no-snapshot"))
+    s3.pause()
+    took, answers = [], []
+    try:
+        with d.client(timeout=60) as http:
+            for _ in range(2):
+                t0 = time.monotonic()
+                answers.append(http.post("/v1/checkpoints", json={"source": REPO_ID, "revision": COMMIT,
+                                                                  "target": "ocp"}))
+                took.append(time.monotonic() - t0)
+    finally:
+        s3.resume()
+    assert [r.status_code for r in answers] == [404, 404], [r.text for r in answers]
+    assert answers[0].json()["error"]["code"] in ("repo_not_cached", "revision_not_cached"), answers[0].text
+    assert took[0] < 20 and took[1] < 2, took
+
+
 def test_a_corrupt_file_in_the_tier_is_never_published_and_the_node_converts(s3: S3Server, daemons: Daemons,
                                                                              tmp_path: Path) -> None:
     """A shard of the tier's entry changed in the bucket (same size, other bytes): the second node's download fails

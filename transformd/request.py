@@ -283,7 +283,8 @@ class Tier:
             first = (doing, type(err).__name__) not in self._said
             self._said.add((doing, type(err).__name__))
         (log.warning if first else log.debug)("remote tier %s: %s failed (%s); %s", self.remote.url, doing, said,
-                                              "converting locally" if doing == "download" else "the entry stays local")
+                                              {"download": "converting locally", "upload": "the entry stays local"}
+                                              .get(doing, "answering as without a tier"))
 
     def no_answer(self, doing: str, waited_s: float) -> None:
         """A request gave up waiting for the tier after ``waited_s`` seconds: a failure of the tier that did not answer

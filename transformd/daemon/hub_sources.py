@@ -63,18 +63,23 @@ async def hub_alias(d: Daemon, source: str, revision: str | None, recipes: Seque
                     ) -> tuple[str, dict[str, Any], Any] | None:
     """With a remote tier, a repo id at a full commit that the hub cache does not hold (``error``: hub_source's 404,
     so the caller may search the hub cache): the key of the tier's alias record of the first of ``recipes`` that has
-    one, the answer's ``hub`` (no snapshot) and that recipe; None otherwise (the caller raises ``error``)."""
+    one, the answer's ``hub`` (no snapshot) and that recipe; None otherwise (the caller raises ``error``), also when
+    the tier does not answer within :data:`ALIAS_WAIT_S` (it is then held off for a while)."""
     from ..hub import is_full_commit, is_repo_id
 
     tier = d.service.tier
     if (tier is None or error.status != 404 or revision is None
             or not is_full_commit(revision) or not is_repo_id(source, paths_exist=False)):
         return None
-    for recipe in recipes:
-        key = await anyio.to_thread.run_sync(tier.alias_key, source, revision, recipe,
-                                             limiter=d.service.source_limiter())
-        if key is not None:
-            return key, {"hub": {"repo_id": source, "revision": revision, "commit": revision, "snapshot": None}}, recipe
+    with anyio.move_on_after(ALIAS_WAIT_S) as waited:  # (then the hub's own error, as without a tier)
+        for recipe in recipes:
+            key = await anyio.to_thread.run_sync(tier.alias_key, source, revision, recipe, abandon_on_cancel=True,
+                                                 limiter=d.service.source_limiter())
+            if key is not None:
+                hub = {"hub": {"repo_id": source, "revision": revision, "commit": revision, "snapshot": None}}
+                return key, hub, recipe
+    if waited.cancelled_caught:
+        tier.no_answer("alias lookup", ALIAS_WAIT_S)
     return None
 
 
