@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -59,48 +59,58 @@ async def hub_source(d: Daemon, source: str, revision: str | None, reader: Reade
     return {"hub": found.as_dict()}, None
 
 
+#: Longest a request waits for the tier's alias record of a repo id (a bucket answers in milliseconds; one that does
+#: not answer costs a request this much at most, and none once that holds the tier off): well inside a client's
+#: request timeout.
+ALIAS_WAIT_S = 5.0
+
+T = TypeVar("T")
+
+
+async def _asking_tier(d: Daemon, ask: Callable[[], T], otherwise: T) -> T:
+    """``ask()``, a lookup in the tier, in a worker thread, waited for :data:`ALIAS_WAIT_S` at most: then
+    ``otherwise``, and the tier is held off for a while (the lookup's own failure is counted and logged when it
+    ends)."""
+    with anyio.move_on_after(ALIAS_WAIT_S):
+        return await anyio.to_thread.run_sync(ask, abandon_on_cancel=True, limiter=d.service.source_limiter())
+    if d.service.tier is not None:  # (the next requests do not wait for it again)
+        d.service.tier.no_answer("alias lookup", ALIAS_WAIT_S)
+    return otherwise
+
+
 async def hub_alias(d: Daemon, source: str, revision: str | None, recipes: Sequence[Any], error: ApiError
                     ) -> tuple[str, dict[str, Any], Any] | None:
     """With a remote tier, a repo id at a full commit that the hub cache does not hold (``error``: hub_source's 404,
     so the caller may search the hub cache): the key of the tier's alias record of the first of ``recipes`` that has
     one, the answer's ``hub`` (no snapshot) and that recipe; None otherwise (the caller raises ``error``), also when
-    the tier does not answer within :data:`ALIAS_WAIT_S` (it is then held off for a while)."""
+    the tier does not answer within :data:`ALIAS_WAIT_S`."""
     from ..hub import is_full_commit, is_repo_id
 
     tier = d.service.tier
     if (tier is None or error.status != 404 or revision is None
             or not is_full_commit(revision) or not is_repo_id(source, paths_exist=False)):
         return None
-    with anyio.move_on_after(ALIAS_WAIT_S) as waited:  # (then the hub's own error, as without a tier)
+
+    def first_alias() -> tuple[str, Any] | None:
         for recipe in recipes:
-            key = await anyio.to_thread.run_sync(tier.alias_key, source, revision, recipe, abandon_on_cancel=True,
-                                                 limiter=d.service.source_limiter())
+            key = tier.alias_key(source, revision, recipe)
             if key is not None:
-                hub = {"hub": {"repo_id": source, "revision": revision, "commit": revision, "snapshot": None}}
-                return key, hub, recipe
-    if waited.cancelled_caught:
-        tier.no_answer("alias lookup", ALIAS_WAIT_S)
-    return None
+                return key, recipe
+        return None
 
-
-#: Longest a request waits for the tier's alias record of a repo id new to the node before converting it while
-#: hashing it (a bucket answers in milliseconds; one that does not answer costs a request this much at most, and
-#: none once its failure holds the tier off): well inside a client's request timeout.
-ALIAS_WAIT_S = 5.0
+    found = await _asking_tier(d, first_alias, None)  # (None: the hub's own error, as without a tier)
+    if found is None:
+        return None
+    key, recipe = found
+    return key, {"hub": {"repo_id": source, "revision": revision, "commit": revision, "snapshot": None}}, recipe
 
 
 async def key_first(d: Daemon, identity: Any, hub: dict[str, Any], recipe: Any) -> bool:
     """:func:`transformd.request.key_first` for a request, waited for :data:`ALIAS_WAIT_S` at most (then False: the
-    source is converted while hashed; the lookup's own failure is counted and logged when it ends)."""
+    source is converted while hashed)."""
     from ..request import key_first as rule
 
-    tier = d.service.tier
-    with anyio.move_on_after(ALIAS_WAIT_S) as waited:
-        return await anyio.to_thread.run_sync(rule, tier, identity, alias_of(hub), recipe, abandon_on_cancel=True,
-                                              limiter=d.service.source_limiter())
-    if waited.cancelled_caught and tier is not None:  # (the next requests do not wait for it again)
-        tier.no_answer("alias lookup", ALIAS_WAIT_S)
-    return False
+    return await _asking_tier(d, lambda: rule(d.service.tier, identity, alias_of(hub), recipe), False)
 
 
 def alias_of(hub: dict[str, Any]) -> tuple[str, str] | None:
