@@ -67,6 +67,7 @@ __all__ = [
     "default_hub_cache",
     "download_repo",
     "is_repo_id",
+    "locate",
     "resolve_repo",
     "source_path",
 ]
@@ -490,16 +491,27 @@ def source_path(
     """The directory ``source`` names (the command line and the library): a path as it is, a repo id resolved
     offline (:func:`resolve_repo`; ``note`` gets one line saying which snapshot). ``revision`` with a path is an
     error."""
+    return locate(source, revision, cache_dir=cache_dir, note=note)[0]
+
+
+def locate(
+    source: str | os.PathLike[str],
+    revision: str | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    note: TextIO | None = None,
+) -> tuple[Path, HubSource | None]:
+    """:func:`source_path`, and the repo id, revision and commit it resolved (None for a path)."""
     if not is_repo_id(source):
         if revision is not None:
             raise RevisionWithoutRepoError(
                 f"--revision {revision} applies to a Hugging Face repo id; {source} is a directory"
             )
-        return Path(os.path.expanduser(os.fspath(source)))  # (a quoted ~ of exec-form args: the home)
+        return Path(os.path.expanduser(os.fspath(source))), None  # (a quoted ~ of exec-form args: the home)
     found = resolve_repo(os.fspath(source), revision, cache_dir=cache_dir)
     if note is not None:
         print(f"transformd: {found.describe()}", file=note, flush=True)
-    return found.snapshot
+    return found.snapshot, found
 
 
 class HubResolver:

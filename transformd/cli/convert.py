@@ -195,13 +195,12 @@ def _shard_bytes(src: str | Path) -> int | None:
 
 def _run_convert(args: argparse.Namespace) -> int:
     from ..engines import engine_from_env
-    from ..hub import RepoNotCachedError, RevisionNotCachedError, source_path
+    from ..hub import RepoNotCachedError, RevisionNotCachedError, locate
 
     args.engine = args.engine or engine_from_env()  # (the engine's container may name it once: TRANSFORMD_ENGINE)
     tier = _tier(args)
-    asked = args.src
     try:
-        args.src = source_path(args.src, args.revision, note=sys.stderr)  # a repo id: its snapshot in the hub cache
+        args.src, hub = locate(args.src, args.revision, note=sys.stderr)  # a repo id: its snapshot in the hub cache
     except RepoNotCachedError as err:  # (a relative name is a repo id unless it exists here: say so first)
         if tier is not None and (found := _by_alias(args, tier)) is not None:
             return found
@@ -215,7 +214,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         print(args.src)
         return EXIT_OK
     if args.out is None:
-        return _run_convert_cached(args, target, why, tier, _alias_of(asked, args.src))
+        return _run_convert_cached(args, target, why, tier, None if hub is None else (hub.repo_id, hub.commit))
     cache_only = [flag for flag, given in (("--cache-dir", args.cache_dir is not None), ("--no-daemon", args.no_daemon),
                                            ("--remote", tier is not None)) if given]
     if cache_only:
@@ -263,17 +262,6 @@ def _tier(args: argparse.Namespace) -> Any:
     from ..request import Tier
 
     return Tier.from_url(url, read_only=args.remote_read_only)
-
-
-def _alias_of(asked: str, snapshot: str) -> tuple[str, str] | None:
-    """The repo id and full commit of a request that named a repo id (``asked``) and got its hub snapshot, whose
-    directory is named by the commit; None for a path."""
-    from ..hub import is_full_commit, is_repo_id
-
-    commit = os.path.basename(os.path.normpath(snapshot))
-    if asked == snapshot or not is_repo_id(asked, paths_exist=False) or not is_full_commit(commit):
-        return None
-    return asked, commit
 
 
 def _by_alias(args: argparse.Namespace, tier: Any) -> int | None:
