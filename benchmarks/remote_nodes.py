@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from convert_bench import HEAD_DIM, HIDDEN, KV_HEADS, MOE_INTERMEDIATE, sample_shape  # noqa: E402
-from remote_bench import PLAIN_CLIENT  # noqa: E402
+from remote_bench import PLAIN_CLIENT, rclone_env, timed  # noqa: E402
 
 from tests.support.daemon import DaemonProcess  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
@@ -74,18 +74,8 @@ def _into_hub(hub: Path, checkpoint: Path) -> int:
         return sum(pool.map(one, files))
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
-    os.sync()  # (what an earlier step left dirty, a plain download's 16 GiB say, is not written back during this one)
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    took = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({p.returncode}): {p.stderr.strip()[-3000:]}")
-    return took, p.stdout.strip()
-
-
 def _resolve(daemon: DaemonProcess, env: dict[str, str], source: list[str]) -> tuple[float, Path]:
-    took, out = _timed([sys.executable, "-m", "transformd", "resolve", *source, "--engine", "vllm", "--socket",
+    took, out = timed([sys.executable, "-m", "transformd", "resolve", *source, "--engine", "vllm", "--socket",
                         str(daemon.socket_path), "--timeout", "3600"], env)
     return took, Path(out)
 
@@ -154,10 +144,7 @@ def main() -> None:
             env = {**server.env(), "HF_HUB_OFFLINE": "1"}
             os.environ.update(env)  # (this process asks the bucket too: the server's credentials, no other source)
             client_env = dict(os.environ)
-            rclone_env = {**client_env, "RCLONE_CONFIG": os.devnull, "RCLONE_S3_PROVIDER": "Other",
-                          "RCLONE_S3_ACCESS_KEY_ID": server.access_key,
-                          "RCLONE_S3_SECRET_ACCESS_KEY": server.secret_key, "RCLONE_S3_ENDPOINT": server.endpoint,
-                          "RCLONE_S3_REGION": "us-east-1"}
+            rclone = rclone_env(server, client_env)
 
             def daemon(name: str, models: str, remote: str | None) -> DaemonProcess:
                 hub = tmp / models / "hub"
@@ -168,7 +155,7 @@ def main() -> None:
             warm = write_sample_checkpoint(tmp / "models-a" / "warm-up", layers=1, experts=2, shards=1)
             d = daemon("warm", "models-a", None)  # (a first conversion compiles the kernels: not in the rounds)
             try:
-                _timed([sys.executable, "-m", "transformd", "resolve", str(warm), "--engine", "vllm", "--socket",
+                timed([sys.executable, "-m", "transformd", "resolve", str(warm), "--engine", "vllm", "--socket",
                         str(d.socket_path)], client_env)
             finally:
                 d.stop()
@@ -226,9 +213,9 @@ def main() -> None:
                     ("plain download: obstore, fsync", [sys.executable, "-c", PLAIN_CLIENT, "get-fsync",
                                                         server.bucket, objects, str(down / "plainsync")], client_env),
                     ("plain download: rclone copy", [server.binary, "copy", f":s3:{server.bucket}/{objects}",
-                                                     str(down / "rclone"), "--transfers", "8"], rclone_env),
+                                                     str(down / "rclone"), "--transfers", "8"], rclone),
                 ):
-                    second[name].append(_timed(cmd, env_)[0])
+                    second[name].append(timed(cmd, env_)[0])
                     _rm(down)
                     down.mkdir()
                 print(f"second node round {r + 1}: " + ", ".join(f"{k.split(': ')[-1]} {v[-1]:.2f} s"
