@@ -26,7 +26,6 @@ node's entry is checked to be the first node's (same key, same bytes).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import statistics
@@ -34,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,33 +43,11 @@ from remote_bench import PLAIN_CLIENT, rclone_env, timed  # noqa: E402
 
 from tests.support.daemon import DaemonProcess  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
+from tests.test_hub import add_snapshot  # noqa: E402
 from transformd.remote import Remote  # noqa: E402
 from transformd.sample import write_sample_checkpoint  # noqa: E402
 
 REPO_ID, COMMIT = "bench/Model", "5eed" * 10
-
-
-def _into_hub(hub: Path, checkpoint: Path) -> int:
-    """Move ``checkpoint``'s files into ``hub`` as a download of REPO_ID at COMMIT (blobs named by their sha256,
-    hashed in parallel; the snapshot links to them); returns the bytes."""
-    repo = hub / ("models--" + REPO_ID.replace("/", "--"))
-    (repo / "blobs").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
-
-    def one(f: Path) -> int:
-        with open(f, "rb") as fh:
-            blob = repo / "blobs" / hashlib.file_digest(fh, "sha256").hexdigest()
-        link = repo / "snapshots" / COMMIT / f.relative_to(checkpoint)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        size = f.stat().st_size
-        os.replace(f, blob)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-        return size
-
-    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
-        return sum(pool.map(one, files))
 
 
 def _resolve(daemon: DaemonProcess, env: dict[str, str], source: list[str]) -> tuple[float, Path]:
@@ -131,11 +107,11 @@ def main() -> None:
             knobs = {"layers": args.layers, "experts": args.experts, "hidden": args.hidden,
                      "moe_intermediate": args.hidden // 2}
         src = write_sample_checkpoint(tmp / ("work" if args.by == "repo" else "models-a") / "model", **knobs)
-        if args.by == "repo":
-            size = _into_hub(tmp / "models-a" / "hub", src)
+        size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+        if args.by == "repo":  # (moved into a hub cache as a download of REPO_ID at COMMIT)
+            add_snapshot(tmp / "models-a" / "hub", REPO_ID, COMMIT, src, ("main",))
             source, second_models = [REPO_ID, "--revision", COMMIT], "models-b"
         else:
-            size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
             source, second_models = [str(src)], "models-a"
         for node in ("models-a", "models-b"):  # (the second node's: empty)
             (tmp / node / "hub").mkdir(parents=True, exist_ok=True)
