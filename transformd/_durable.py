@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
 import re
 import secrets
 import shutil
 import stat
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -51,22 +53,21 @@ def fsync_path(path: Path | str) -> None:
         os.close(fd)
 
 
-def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    import ctypes
-    import ctypes.util
-    import sys
-
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (looked up once, when first needed), or None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
+    import ctypes
+
     try:
-        func = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+        func = ctypes.CDLL(None, use_errno=True).sync_file_range  # (the process's own libc: no search)
     except (OSError, AttributeError):
         return None
     func.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     return func  # type: ignore[no-any-return]
 
 
-_SYNC_FILE_RANGE = _libc_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -76,8 +77,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     written back only once a tenth of the memory is dirty, so the fsync at its end waits for almost all of it (6.8 s
     for 16 GiB on the H100 server); started as it goes, the writes overlap the arrival. Durability still comes from
     the fsync; this only moves the work earlier."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # (an error here is the fsync's to report)
+    func = _sync_file_range()
+    if func is not None:
+        func(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # (an error here is the fsync's to report)
 
 
 def temporary_beside(path: Path) -> Path:
